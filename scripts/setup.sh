@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Install everything impvm's stack and tests need on a fresh Debian 12 machine, idempotently:
+# Debian packages, a Python 3.11 venv with the pinned dependencies, the npm fixtures, and the
+# control-plane binaries (built once from Go modules into ~/.cache/impvm, or KUBEBUILDER_ASSETS).
+# Prints nothing but progress on stderr; safe to run repeatedly.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+log() { echo "setup: $*" >&2; }
+
+# Debian packages the runtimes and tests use (bubblewrap: process runtime sandbox).
+DEB_PACKAGES=(bubblewrap)
+missing=()
+for p in "${DEB_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  log "installing Debian packages: ${missing[*]}"
+  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  $SUDO apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
+
+PY="${IMPVM_PYTHON:-python3.11}"
+command -v "$PY" >/dev/null || PY=python3
+if [[ ! -x .venv/bin/python ]]; then
+  log "creating .venv with $PY"
+  "$PY" -m venv .venv
+fi
+if ! cmp -s constraints.txt .venv/.constraints 2>/dev/null || ! cmp -s pyproject.toml .venv/.pyproject 2>/dev/null; then
+  log "installing Python dependencies (pinned in pyproject.toml and constraints.txt)"
+  .venv/bin/python -m pip install -q --upgrade "pip==26.3" >&2
+  .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]' >&2
+  cp constraints.txt .venv/.constraints
+  cp pyproject.toml .venv/.pyproject
+fi
+
+if [[ -f tools/npm/package-lock.json ]] && ! cmp -s tools/npm/package-lock.json tools/npm/node_modules/.package-lock.json 2>/dev/null; then
+  log "installing npm fixtures"
+  npm ci --prefix tools/npm --no-audit --no-fund --loglevel=error >&2
+fi
+
+if [[ -z "${KUBEBUILDER_ASSETS:-}" ]]; then
+  log "control plane binaries (built once, cached)"
+  KUBEBUILDER_ASSETS="$(bash src/impvm/devstack/assets/build-control-plane.sh)"
+fi
+echo "$KUBEBUILDER_ASSETS"

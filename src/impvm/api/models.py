@@ -1,0 +1,567 @@
+"""Pydantic models of the ``imp.dev/v1alpha1`` kinds: the single source of truth for the API.
+
+The CustomResourceDefinitions in ``deploy/crds/`` are rendered from these models by
+:mod:`impvm.api.crd`. Validation that must hold for every client lives in the rendered schema and
+in CEL rules (``x-kubernetes-validations``) attached here with :func:`cel`, so the kube-apiserver
+enforces it; the pydantic validators only parse what the API server already accepted.
+
+Field names follow the seeds (``../shared/seeds/000_e4e8de15731273f5.txt`` and
+``001_1237d569728ff113.txt``); runner and job fields follow ARC's EphemeralRunner status.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "imp.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+#: Label on every VM of a pool (DESIGN.md, fixed interfaces).
+POOL_LABEL = "imp.dev/runner-pool"
+#: Annotation on a pool holding an external demand signal (an integer).
+DEMAND_ANNOTATION = "imp.dev/runner-demand"
+#: Key of the JIT config in the Secret owned by a VM.
+JIT_SECRET_KEY = "jitconfig"
+
+#: ``name@sha256:<64 hex>``: an OCI reference pinned by digest (seed 003: pull by digest).
+DIGEST_REF_PATTERN = r"^[^@[:space:]]+@sha256:[0-9a-f]{64}$"
+#: GitHub's ``owner/name`` repository form.
+REPO_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/[A-Za-z0-9._-]{1,100}$"
+#: Kubernetes object name (DNS-1123 subdomain).
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+#: Go duration string as understood by CEL's ``duration()`` (e.g. ``90s``, ``1h30m``, ``0s``).
+DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$"
+
+Phase = Literal["Pending", "Scheduled", "Starting", "Running", "Succeeded", "Failed", "Terminating"]
+TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, Any]:
+    """Build one ``x-kubernetes-validations`` entry.
+
+    ``message`` is what the API server returns on rejection; it always names the field.
+    ``field_path`` (a JSONPath relative to the object the rule sits on, e.g. ``.scope``) makes the
+    server report the error at that field.
+    """
+    out: dict[str, Any] = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    return out
+
+
+class ApiModel(BaseModel):
+    """Base of every API model: camelCase on the wire, snake_case in Python, unknown fields kept
+    out (the API server prunes them anyway)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="ignore",
+        serialize_by_alias=True,
+    )
+
+    #: CEL rules rendered into the schema of this object (see :func:`cel`).
+    cel_rules: ClassVar[list[dict[str, Any]]] = []
+
+    def wire(self) -> dict[str, Any]:
+        """The object as the API server stores it: aliases, no unset/None fields."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def _expire_after_rule(field: str) -> dict[str, Any]:
+    return cel(
+        "duration(self) == duration('0s') || duration(self) >= duration('60s')",
+        f"{field} must be 0s (no deadline) or at least 60s",
+    )
+
+
+def _digest_rule(field: str, prefix: str = "self") -> dict[str, Any]:
+    return cel(
+        f"(has({prefix}.allowUnpinnedImages) && {prefix}.allowUnpinnedImages) || "
+        f"!has({prefix}.{field}) || {prefix}.{field}.matches('{DIGEST_REF_PATTERN}')",
+        f"{field} must be pinned by digest (name@sha256:<64 hex>); set allowUnpinnedImages: true "
+        "to opt out",
+        f".{field}",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Shared pieces
+
+
+class LocalObjectReference(ApiModel):
+    """A reference to an object by name (in the same namespace, or cluster-scoped)."""
+
+    name: str = Field(min_length=1, max_length=253, description="Name of the referenced object.")
+
+
+class Condition(ApiModel):
+    """A Kubernetes condition (``metav1.Condition`` shape)."""
+
+    type: str = Field(description="Type of the condition, e.g. Ready.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason for the last transition.")
+    message: str = Field(default="", description="Human-readable detail; never holds a secret.")
+    last_transition_time: datetime = Field(description="When the status last changed.")
+    observed_generation: int | None = Field(
+        default=None, ge=0, description=".metadata.generation the condition was set for."
+    )
+
+
+_CONDITIONS_DESC = "Latest observations of the object's state (Kubernetes API conventions)."
+
+
+# --------------------------------------------------------------------------------------------
+# ImpVMClass (cluster-scoped)
+
+
+class ImpVMClassSpec(ApiModel):
+    """Size of a VM: vCPUs, memory (MiB) and disk (GiB). Seed 001."""
+
+    vcpu: int = Field(ge=1, le=256, description="Number of virtual CPUs.")
+    memory_mib: int = Field(
+        alias="memoryMiB", ge=128, le=1048576, description="Guest memory in MiB."
+    )
+    disk_gib: int = Field(
+        alias="diskGiB", ge=1, le=65536, description="Size of the VM's writable disk in GiB."
+    )
+
+
+class ImpVMClass(ApiModel):
+    """A VM size, shared by templates in every namespace."""
+
+    kind: ClassVar[str] = "ImpVMClass"
+    plural: ClassVar[str] = "impvmclasses"
+    short_names: ClassVar[list[str]] = ["impc"]
+    namespaced: ClassVar[bool] = False
+
+    spec: ImpVMClassSpec
+
+
+# --------------------------------------------------------------------------------------------
+# ImpVMTemplate
+
+
+class ImpVMTemplateSpec(ApiModel):
+    """Base image and class of a runner VM. Seed 001 (runner image contract)."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        _digest_rule("image"),
+        _digest_rule("runnerLayer"),
+    ]
+
+    class_ref: LocalObjectReference = Field(description="The ImpVMClass giving the VM's size.")
+    image: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="OCI base image (Debian-slim userland, CMD /usr/local/bin/runner), pinned by "
+        "digest: name@sha256:<64 hex>.",
+    )
+    runner_layer: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="OCI image whose layer supplies /home/runner/actions-runner and "
+        "/usr/local/bin/runner, pinned by digest. A pool's runnerLayer takes precedence.",
+    )
+    expire_after: str | None = Field(
+        default=None,
+        pattern=DURATION_PATTERN,
+        description="Hard deadline of a VM from its start (Go duration, 0s or >= 60s). 0s: none.",
+        json_schema_extra={"x-kubernetes-validations": [_expire_after_rule("expireAfter")]},
+    )
+    allow_unpinned_images: bool | None = Field(
+        default=None,
+        description="Opt out of digest pinning for image and runnerLayer (not for production: "
+        "seed 003 pulls by digest, never by tag).",
+    )
+
+
+class ImpVMTemplate(ApiModel):
+    """A VM template: image + class a pool's VMs are made from."""
+
+    kind: ClassVar[str] = "ImpVMTemplate"
+    plural: ClassVar[str] = "impvmtemplates"
+    short_names: ClassVar[list[str]] = ["impt"]
+    namespaced: ClassVar[bool] = True
+
+    spec: ImpVMTemplateSpec
+
+
+# --------------------------------------------------------------------------------------------
+# ImpVMRunnerPool
+
+
+class PlatformScope(ApiModel):
+    """Where runners register: one organisation or one repository (exactly one). Seed 000."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            "has(self.org) != has(self.repo)",
+            "platform.scope: exactly one of org or repo must be set",
+        ),
+    ]
+
+    org: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=39,
+        pattern=r"^[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?$",
+        description="GitHub organisation login.",
+    )
+    repo: str | None = Field(
+        default=None,
+        pattern=REPO_PATTERN,
+        max_length=140,
+        description="Repository as owner/name.",
+    )
+
+
+class Platform(ApiModel):
+    """The CI platform runners connect to. Seed 000 (the starting configuration)."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            "!has(self.runnerGroup) || has(self.scope.org)",
+            "platform.runnerGroup is only allowed with platform.scope.org (repository-scoped "
+            "pools cannot use an organisation runner group)",
+            ".runnerGroup",
+        ),
+    ]
+
+    type: Literal["github-actions"] = Field(description="CI platform; github-actions.")
+    scope: PlatformScope = Field(description="Organisation or repository the runners join.")
+    runner_group: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=255,
+        description="Organisation runner group name (org scope only); default group if unset.",
+    )
+    credentials_secret: str = Field(
+        min_length=1,
+        max_length=253,
+        description="Secret with github_app_id, github_app_installation_id, "
+        "github_app_private_key (github_app) or github_token (pat).",
+    )
+    token_source: Literal["github_app", "pat"] = Field(
+        default="github_app",
+        description="github_app (recommended) or pat (a long-lived personal access token).",
+    )
+    server_url: str | None = Field(
+        default=None,
+        alias="serverURL",
+        pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
+        max_length=512,
+        description="GitHub Enterprise Server URL (https://HOST); the API is HOST/api/v3. "
+        "Default: github.com.",
+    )
+
+
+class PollingSpec(ApiModel):
+    """Polling of GitHub for queued jobs."""
+
+    enabled: bool = Field(default=True, description="Whether the operator polls GitHub.")
+    interval_seconds: int = Field(
+        default=30, ge=5, le=3600, description="Seconds between polls of queued jobs."
+    )
+
+
+class SecretKeyRef(ApiModel):
+    """A Secret in the pool's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="Secret name.")
+
+
+class WebhookSpec(ApiModel):
+    """workflow_job webhook deliveries."""
+
+    secret_ref: SecretKeyRef | None = Field(
+        default=None, description="Secret whose key webhook_secret verifies X-Hub-Signature-256."
+    )
+
+
+class ScalingSpec(ApiModel):
+    """Lower and upper capacity limits and how demand is observed. Seed 000 step 1."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            "!has(self.minIdle) || !has(self.maxConcurrent) || self.minIdle <= self.maxConcurrent",
+            "scaling.minIdle must be less than or equal to scaling.maxConcurrent",
+            ".minIdle",
+        ),
+        cel(
+            "!(self.mode in ['polling', 'hybrid']) || has(self.polling)",
+            "scaling.polling is required when scaling.mode is polling or hybrid",
+            ".polling",
+        ),
+        cel(
+            "!(self.mode in ['webhook', 'hybrid']) || "
+            "(has(self.webhook) && has(self.webhook.secretRef))",
+            "scaling.webhook.secretRef is required when scaling.mode is webhook or hybrid",
+            ".webhook",
+        ),
+    ]
+
+    mode: Literal["polling", "webhook", "hybrid", "manual"] = Field(
+        default="manual",
+        description="How pending jobs are observed: polling, webhook, hybrid (both), or manual "
+        "(minIdle plus the imp.dev/runner-demand annotation only).",
+    )
+    min_idle: int | None = Field(
+        default=None, ge=0, le=10000, description="Idle registered runners to keep ready."
+    )
+    max_concurrent: int | None = Field(
+        default=None, ge=0, le=10000, description="Upper bound on the pool's VMs at once."
+    )
+    scale_up_step: int | None = Field(
+        default=None, ge=1, le=10000, description="Most VMs created in one reconcile pass."
+    )
+    cooldown_seconds: int | None = Field(
+        default=None,
+        ge=0,
+        le=86400,
+        description="Seconds after a scale-up before surplus idle runners are removed.",
+    )
+    polling: PollingSpec | None = Field(default=None, description="Polling settings.")
+    webhook: WebhookSpec | None = Field(default=None, description="Webhook settings.")
+
+
+class ReaperSpec(ApiModel):
+    """Removal of runners that outlive their job. Seed 004."""
+
+    enabled: bool = Field(default=False, description="Run the reaper for this pool.")
+    max_job_seconds: int = Field(
+        default=21600,
+        ge=60,
+        description="A job running longer than this (seconds) has its runner removed.",
+    )
+    completed_grace_seconds: int = Field(
+        default=300,
+        ge=0,
+        description="Seconds a run/job must have been completed before its runner is removed.",
+    )
+    interval_seconds: int = Field(
+        default=300, ge=10, description="Seconds between reaper passes for this pool."
+    )
+    dry_run: bool = Field(default=False, description="Log 'would delete' and delete nothing.")
+
+
+class ImpVMRunnerPoolSpec(ApiModel):
+    """What runner to keep and how many. Seeds 000 and 001."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            "self.platform.type != 'github-actions' || has(self.scaling)",
+            "scaling is required for github-actions pools",
+            ".scaling",
+        ),
+        *[
+            cel(
+                f"self.platform.type != 'github-actions' || !has(self.scaling) || "
+                f"has(self.scaling.{f})",
+                f"scaling.{f} is required for github-actions pools",
+                ".scaling",
+            )
+            for f in ("minIdle", "maxConcurrent", "scaleUpStep", "cooldownSeconds")
+        ],
+        _digest_rule("runnerLayer"),
+    ]
+
+    template_name: str = Field(
+        min_length=1, max_length=253, description="ImpVMTemplate giving base image and class."
+    )
+    labels: list[str] = Field(
+        default_factory=list,
+        max_length=100,
+        description="Runner labels passed to GitHub in the JIT request (besides self-hosted); a "
+        "job runs here only if all its labels are in this set.",
+        json_schema_extra={"items": {"type": "string", "minLength": 1, "maxLength": 256}},
+    )
+    platform: Platform
+    runner_layer: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="OCI runner layer pinned by digest; overrides the template's.",
+    )
+    allow_unpinned_images: bool | None = Field(
+        default=None, description="Opt out of digest pinning for runnerLayer."
+    )
+    scaling: ScalingSpec | None = Field(default=None, description="Capacity limits and demand.")
+    bootstrap_timeout_seconds: int = Field(
+        default=300,
+        ge=30,
+        le=86400,
+        description="Seconds a VM's runner may take to come online before the VM is replaced.",
+    )
+    expire_after: str | None = Field(
+        default=None,
+        pattern=DURATION_PATTERN,
+        description="Hard deadline of each VM (Go duration, 0s or >= 60s); overrides the "
+        "template's.",
+        json_schema_extra={"x-kubernetes-validations": [_expire_after_rule("expireAfter")]},
+    )
+    reaper: ReaperSpec | None = Field(default=None, description="Reaper for stuck runners.")
+
+
+class PollStatus(ApiModel):
+    """Result of the last poll of GitHub for jobs."""
+
+    time: datetime | None = Field(default=None, description="When the poll finished.")
+    queued_jobs: int | None = Field(default=None, ge=0, description="Queued matching jobs seen.")
+    api_calls: int | None = Field(default=None, ge=0, description="Requests made (304s too).")
+    not_modified: int | None = Field(default=None, ge=0, description="Requests answered 304.")
+    error: str | None = Field(default=None, description="Why the poll failed, if it did.")
+
+
+class ImpVMRunnerPoolStatus(ApiModel):
+    """Observed state of a pool."""
+
+    observed_generation: int | None = Field(default=None, ge=0)
+    starting: int | None = Field(
+        default=None, ge=0, description="VMs whose runner is not yet online."
+    )
+    idle: int | None = Field(default=None, ge=0, description="Online runners without a job.")
+    busy: int | None = Field(default=None, ge=0, description="Runners running a job.")
+    total: int | None = Field(default=None, ge=0, description="VMs of the pool.")
+    desired: int | None = Field(default=None, ge=0, description="VMs the controller wants.")
+    pending_jobs: int | None = Field(
+        default=None, ge=0, description="Queued matching jobs not yet assigned a runner."
+    )
+    last_scale_up_time: datetime | None = Field(default=None)
+    last_poll: PollStatus | None = Field(default=None)
+    conditions: list[Condition] | None = Field(
+        default=None,
+        description=_CONDITIONS_DESC,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+class ImpVMRunnerPool(ApiModel):
+    """A pool of ephemeral GitHub Actions runners, one VM each."""
+
+    kind: ClassVar[str] = "ImpVMRunnerPool"
+    plural: ClassVar[str] = "impvmrunnerpools"
+    short_names: ClassVar[list[str]] = ["imprp"]
+    namespaced: ClassVar[bool] = True
+    printer_columns: ClassVar[list[dict[str, Any]]] = [
+        {"name": "Platform", "type": "string", "jsonPath": ".spec.platform.type"},
+        {"name": "Template", "type": "string", "jsonPath": ".spec.templateName"},
+        {"name": "Idle", "type": "integer", "jsonPath": ".status.idle"},
+        {"name": "Busy", "type": "integer", "jsonPath": ".status.busy"},
+        {"name": "Desired", "type": "integer", "jsonPath": ".status.desired"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+    spec: ImpVMRunnerPoolSpec
+    status: ImpVMRunnerPoolStatus | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# ImpVM
+
+
+class RunnerStatus(ApiModel):
+    """The GitHub runner registered from this VM (ARC: runnerId, runnerName)."""
+
+    id: int | None = Field(default=None, ge=0, description="GitHub runner id.")
+    name: str | None = Field(default=None, description="Runner name (the VM's name).")
+    online: bool | None = Field(default=None, description="GitHub reports the runner online.")
+    busy: bool | None = Field(default=None, description="GitHub reports the runner busy.")
+
+
+class JobStatus(ApiModel):
+    """The workflow job this VM's runner took (ARC: jobId, workflowRunId, jobRepositoryName)."""
+
+    id: int | None = Field(default=None, ge=0, description="Workflow job id.")
+    workflow_run_id: int | None = Field(default=None, ge=0, description="Workflow run id.")
+    repository: str | None = Field(default=None, description="Repository as owner/name.")
+    started_at: datetime | None = Field(default=None, description="When the job started.")
+    completed_at: datetime | None = Field(default=None, description="When the job completed.")
+
+
+class ImpVMSpec(ApiModel):
+    """One VM. Created by a pool from its template (seed 000 step 2)."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        _digest_rule("image"),
+        _digest_rule("runnerLayer"),
+        cel(
+            "!has(oldSelf.nodeName) || oldSelf.nodeName == '' || self.nodeName == oldSelf.nodeName",
+            "nodeName cannot be changed once the VM is bound to a node",
+            ".nodeName",
+        ),
+    ]
+
+    class_ref: LocalObjectReference = Field(description="The ImpVMClass giving the VM's size.")
+    image: str = Field(min_length=1, max_length=1024, description="OCI base image by digest.")
+    runner_layer: str | None = Field(
+        default=None, min_length=1, max_length=1024, description="OCI runner layer by digest."
+    )
+    allow_unpinned_images: bool | None = Field(default=None, description="Opt out of pinning.")
+    lifecycle: Literal["ephemeral", "persistent"] = Field(
+        default="ephemeral",
+        description="ephemeral: the VM runs one job and is removed (pool VMs always are).",
+    )
+    runner_config_secret: str | None = Field(
+        default=None,
+        max_length=253,
+        description="Secret (owned by this VM) whose key jitconfig holds the runner's JIT config.",
+    )
+    expire_after: str | None = Field(
+        default=None,
+        pattern=DURATION_PATTERN,
+        description="Hard deadline from the VM's start (Go duration, 0s or >= 60s).",
+        json_schema_extra={"x-kubernetes-validations": [_expire_after_rule("expireAfter")]},
+    )
+    node_name: str | None = Field(
+        default=None, max_length=253, description="Node (agent) the VM is bound to."
+    )
+
+
+class ImpVMStatus(ApiModel):
+    """Observed state of a VM."""
+
+    phase: Phase | None = Field(default=None, description="Lifecycle phase.")
+    node_name: str | None = Field(default=None, description="Node running the VM.")
+    runner: RunnerStatus | None = None
+    job: JobStatus | None = None
+    started_at: datetime | None = Field(default=None, description="When the VM started.")
+    finished_at: datetime | None = Field(default=None, description="When the VM stopped.")
+    exit_code: int | None = Field(default=None, description="Exit status of the runner.")
+    exit_reason: str | None = Field(
+        default=None, description="Why the VM ended (Completed, Error, DeadlineExceeded, ...)."
+    )
+    message: str | None = Field(default=None, description="Detail (console tail on failure).")
+    conditions: list[Condition] | None = Field(
+        default=None,
+        description=_CONDITIONS_DESC,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+class ImpVM(ApiModel):
+    """A single-use runner VM."""
+
+    kind: ClassVar[str] = "ImpVM"
+    plural: ClassVar[str] = "impvms"
+    short_names: ClassVar[list[str]] = ["impvm"]
+    namespaced: ClassVar[bool] = True
+    printer_columns: ClassVar[list[dict[str, Any]]] = [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Node", "type": "string", "jsonPath": ".spec.nodeName"},
+        {"name": "Runner", "type": "string", "jsonPath": ".status.runner.name"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+    spec: ImpVMSpec
+    status: ImpVMStatus | None = None
+
+
+#: Every kind, in the order the CRDs are rendered.
+KINDS: tuple[type[ApiModel], ...] = (ImpVMClass, ImpVMTemplate, ImpVMRunnerPool, ImpVM)

@@ -1,0 +1,1 @@
+"""impvm.devstack."""

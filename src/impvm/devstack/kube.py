@@ -1,0 +1,92 @@
+"""Kubernetes helpers for the embedded stack and tests: clients, CRD installation, acting as a
+ServiceAccount (TokenRequest, a real bearer token the API server authenticates)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import yaml
+from lightkube import Client
+from lightkube.config.kubeconfig import KubeConfig
+from lightkube.core.exceptions import ApiError
+from lightkube.models.authentication_v1 import TokenRequestSpec
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
+from lightkube.resources.core_v1 import ServiceAccount, ServiceAccountToken
+
+from impvm.api.crd import all_crds
+
+FIELD_MANAGER = "impvm"
+
+
+def admin_client(kubeconfig: Path) -> Client:
+    """A synchronous client acting with the kubeconfig's (admin) credentials."""
+    return Client(config=KubeConfig.from_file(str(kubeconfig)), field_manager=FIELD_MANAGER)
+
+
+def install_crds(client: Client, timeout: float = 60.0) -> None:
+    """Server-side apply every imp.dev CRD and wait until each is Established.
+
+    Raises ``TimeoutError`` when a CRD is not established within ``timeout`` seconds.
+    """
+    for doc in all_crds():
+        crd = cast(CustomResourceDefinition, CustomResourceDefinition.from_dict(doc))
+        client.apply(crd, force=True)
+    deadline = time.monotonic() + timeout
+    for doc in all_crds():
+        name = doc["metadata"]["name"]
+        while True:
+            got = client.get(CustomResourceDefinition, name)
+            conds = (got.status.conditions if got.status else None) or []
+            if any(c.type == "Established" and c.status == "True" for c in conds):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"CRD {name} not established")
+            time.sleep(0.1)
+
+
+def service_account_kubeconfig(
+    client: Client, kubeconfig: Path, namespace: str, name: str, create: bool = True
+) -> dict[str, Any]:
+    """A kubeconfig (as a dict) authenticating as ServiceAccount ``namespace/name`` with a
+    one-hour token from the TokenRequest API. Creates the ServiceAccount when ``create``."""
+    if create:
+        try:
+            client.create(ServiceAccount(metadata=ObjectMeta(name=name, namespace=namespace)))
+        except ApiError as e:
+            if e.status.code != 409:
+                raise
+    token = _token_request(client, namespace, name)
+    admin = yaml.safe_load(kubeconfig.read_text())
+    cluster = admin["clusters"][0]
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [cluster],
+        "users": [{"name": name, "user": {"token": token}}],
+        "contexts": [
+            {
+                "name": "sa",
+                "context": {"cluster": cluster["name"], "user": name, "namespace": namespace},
+            }
+        ],
+        "current-context": "sa",
+    }
+
+
+def _token_request(client: Client, namespace: str, name: str) -> str:
+    req = ServiceAccountToken(
+        metadata=ObjectMeta(name=name, namespace=namespace),
+        spec=TokenRequestSpec(audiences=[], expirationSeconds=3600),
+    )
+    out = client.create(req, name=name, namespace=namespace)
+    if out.status is None or not out.status.token:
+        raise RuntimeError(f"TokenRequest for {namespace}/{name} returned no status")
+    return out.status.token
+
+
+def client_from_dict(config: dict[str, Any], namespace: str | None = None) -> Client:
+    """A synchronous client from a kubeconfig dict (e.g. :func:`service_account_kubeconfig`)."""
+    return Client(config=KubeConfig.from_dict(config), namespace=namespace)

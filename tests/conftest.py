@@ -1,0 +1,45 @@
+"""Shared fixtures: a real control plane (etcd + kube-apiserver + GC) per test session."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from lightkube import Client
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Namespace
+
+from impvm.devstack.controlplane import ControlPlane
+from impvm.devstack.kube import admin_client, install_crds
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """A fresh control plane with the imp.dev CRDs installed, shared by the whole session."""
+    cp = ControlPlane(workdir=tmp_path_factory.mktemp("controlplane")).start()
+    try:
+        install_crds(admin_client(cp.kubeconfig))
+        os.environ["IMPVM_TEST_KUBECONFIG"] = str(cp.kubeconfig)
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture(scope="session")
+def kube(control_plane: ControlPlane) -> Client:
+    """Admin client (system:masters) of the test control plane."""
+    return admin_client(control_plane.kubeconfig)
+
+
+@pytest.fixture
+def namespace(kube: Client) -> Iterator[str]:
+    """A fresh namespace for one test, deleted afterwards."""
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    kube.create(Namespace(metadata=ObjectMeta(name=name)))
+    yield name
+    kube.delete(Namespace, name)
