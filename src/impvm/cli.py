@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -14,6 +15,8 @@ app = typer.Typer(
     help="Ephemeral GitHub Actions runners, one microVM per job, on Kubernetes.",
     no_args_is_help=True,
     add_completion=False,
+    # rich tracebacks print local variables, which may hold credentials: plain tracebacks only
+    pretty_exceptions_enable=False,
 )
 dev_app = typer.Typer(help="The embedded local stack.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
@@ -50,15 +53,68 @@ def crds() -> None:
 
 
 @app.command()
-def operator() -> None:
-    """Run the operator (pool controller, demand, reaper)."""
-    _not_available("operator", "arrives with the pool controller issue")
+def operator(
+    namespace: Annotated[
+        list[str] | None,
+        typer.Option("--namespace", "-n", help="Watch only these namespaces (default: all)."),
+    ] = None,
+    http_host: Annotated[str, typer.Option(help="Address of /healthz, /metrics, webhooks.")] = (
+        "0.0.0.0"  # noqa: S104 - a cluster service listens on all interfaces
+    ),
+    http_port: Annotated[int, typer.Option(help="Port of the HTTP endpoint.")] = 8080,
+    github_api_url: Annotated[
+        str | None,
+        typer.Option(help="Override the GitHub REST base URL (e.g. the GitHub stand-in)."),
+    ] = None,
+) -> None:
+    """Run the operator (pool controller). Kubernetes credentials: KUBECONFIG or in-cluster."""
+    from impvm.operator.main import main as operator_main
+
+    operator_main(namespace or [], http_host, http_port, github_api_url)
 
 
 @app.command()
-def agent() -> None:
-    """Run the node agent."""
-    _not_available("agent", "arrives with the node agent issue")
+def agent(
+    node_name: Annotated[
+        str | None, typer.Option(help="Node name (default: $NODE_NAME or the host name).")
+    ] = None,
+    runtime: Annotated[str, typer.Option(help="VM runtime: process.")] = "process",
+    vcpu: Annotated[int | None, typer.Option(help="vCPUs offered (default: all).")] = None,
+    memory_mib: Annotated[
+        int | None, typer.Option(help="Memory offered in MiB (default: all).")
+    ] = None,
+    workdir: Annotated[Path, typer.Option(help="State directory (images, VMs).")] = Path(
+        "/var/lib/impvm"
+    ),
+    image_cache_mib: Annotated[int, typer.Option(help="Image cache cap in MiB.")] = 10240,
+    insecure_registry: Annotated[
+        list[str] | None, typer.Option(help="Loopback registry host:port reached without TLS.")
+    ] = None,
+    bind_ro: Annotated[
+        list[Path] | None,
+        typer.Option(help="Host path bound read-only into process-runtime sandboxes (dev only)."),
+    ] = None,
+    lease_namespace: Annotated[str, typer.Option(help="Namespace of agent Leases.")] = (
+        "impvm-system"
+    ),
+) -> None:
+    """Run the node agent: claim ImpVMs for this node and run them."""
+    import os
+
+    from impvm.agent.main import default_node_name, host_memory_mib
+    from impvm.agent.main import main as agent_main
+
+    agent_main(
+        node_name or default_node_name(),
+        runtime,
+        vcpu or os.cpu_count() or 1,
+        memory_mib or host_memory_mib(),
+        workdir,
+        image_cache_mib,
+        insecure_registry or [],
+        bind_ro or [],
+        lease_namespace,
+    )
 
 
 @app.command("github-standin")

@@ -1,0 +1,81 @@
+"""``impvm agent``: one node agent with its runtime."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from pathlib import Path
+
+from lightkube import AsyncClient
+
+from impvm.agent.agent import Agent, AgentConfig
+from impvm.agent.capacity import Resources
+from impvm.agent.images import ImageStore
+from impvm.agent.process import ProcessRuntime
+from impvm.agent.runtime import Runtime
+
+
+def default_node_name() -> str:
+    """``NODE_NAME`` (set from the downward API in a DaemonSet), else the host name."""
+    return os.environ.get("NODE_NAME") or socket.gethostname()
+
+
+def host_memory_mib() -> int:
+    """Total memory of this host in MiB (from /proc/meminfo)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    return 1024
+
+
+def make_runtime(
+    name: str,
+    workdir: Path,
+    image_cache_bytes: int,
+    insecure_registries: set[str],
+    ro_binds: list[Path],
+) -> Runtime:
+    """The runtime called ``name`` (``process``; ``qemu`` arrives with the microVM issue).
+    Raises ``ValueError`` for an unknown or unavailable runtime."""
+    store = ImageStore(workdir / "images", image_cache_bytes, insecure_registries)
+    if name == "process":
+        return ProcessRuntime(store, extra_ro_binds=ro_binds)
+    raise ValueError(f"runtime {name!r} is not available (known: process)")
+
+
+async def run(config: AgentConfig, runtime: Runtime) -> None:
+    """Run the agent until cancelled (credentials from KUBECONFIG or the ServiceAccount)."""
+    kube = AsyncClient(field_manager="impvm-agent")
+    try:
+        await Agent(kube, runtime, config).run()
+    finally:
+        await kube.close()
+
+
+def main(
+    node_name: str,
+    runtime_name: str,
+    vcpu: int,
+    memory_mib: int,
+    workdir: Path,
+    image_cache_mib: int,
+    insecure_registries: list[str],
+    ro_binds: list[Path],
+    lease_namespace: str,
+) -> None:
+    """Blocking entry point of the CLI."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    runtime = make_runtime(
+        runtime_name, workdir, image_cache_mib * 1024 * 1024, set(insecure_registries), ro_binds
+    )
+    config = AgentConfig(
+        node_name=node_name,
+        capacity=Resources(vcpu, memory_mib),
+        workdir=workdir,
+        lease_namespace=lease_namespace,
+    )
+    asyncio.run(run(config, runtime))

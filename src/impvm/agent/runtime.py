@@ -1,0 +1,110 @@
+"""The ``Runtime`` protocol: how the node agent prepares, starts, inspects, stops and cleans up one
+VM. Implementations: ``process`` (bubblewrap sandbox, :mod:`impvm.agent.process`) and ``qemu``
+(microVM, a later issue).
+
+A runtime is handed the JIT config only in :meth:`Runtime.start` and passes it to the guest at
+launch and nowhere else (seed 001: "It passes that configuration directly to the guest runner at
+launch time. The configuration must not be placed in the VM manifest, the base image, or logs.").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+
+class RuntimeError_(Exception):
+    """A runtime could not do what was asked. The message never contains the JIT config."""
+
+
+class ImageError(RuntimeError_):
+    """An image could not be pulled, verified or unpacked (bad reference, digest mismatch, ...)."""
+
+
+@dataclass(frozen=True, repr=False)
+class Secret:
+    """A secret value whose ``repr``/``str`` never shows it."""
+
+    value: str = field(repr=False)
+
+    def reveal(self) -> str:
+        """The secret value; only call where it is handed to the guest."""
+        return self.value
+
+    def __repr__(self) -> str:
+        return "Secret('**********')"
+
+    __str__ = __repr__
+
+
+@dataclass(frozen=True)
+class VMRequest:
+    """Everything a runtime needs to run one VM.
+
+    ``vm_id`` is stable and unique per ImpVM (``<namespace>.<name>.<uid prefix>``); the runtime
+    keeps all per-VM state under ``workdir`` (private to this VM, mode 0700, removed by
+    :meth:`Runtime.cleanup`). Sizes: ``memory_mib`` in MiB, ``disk_gib`` in GiB.
+    """
+
+    vm_id: str
+    name: str
+    namespace: str
+    image: str
+    runner_layer: str | None
+    allow_unpinned_images: bool
+    vcpu: int
+    memory_mib: int
+    disk_gib: int
+    workdir: Path
+
+
+VMStatus = Literal["starting", "running", "exited", "missing"]
+
+
+@dataclass(frozen=True)
+class VMState:
+    """What a runtime observes of one VM.
+
+    ``status``: starting (launched, runner not yet started), running (the runner process runs),
+    exited (``exit_code`` set; -1 when killed), missing (the runtime knows nothing of it, e.g.
+    after an agent restart that could not re-attach). ``log_tail``: last console lines, already
+    scrubbed of the JIT config.
+    """
+
+    status: VMStatus
+    exit_code: int | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    log_tail: str = ""
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """A way to run VMs on this node. Every method is async and must not block the event loop."""
+
+    #: ``process`` or ``qemu``.
+    name: str
+
+    async def prepare(self, req: VMRequest) -> None:
+        """Make the image (+ runner layer) ready: pull by digest, verify, unpack (cached and
+        shared read-only between VMs). Raises :class:`ImageError`."""
+        ...
+
+    async def start(self, req: VMRequest, jitconfig: Secret) -> None:
+        """Launch the VM; its ``/usr/local/bin/runner`` gets ``IMP_GITHUB_JITCONFIG`` from
+        ``jitconfig`` and nothing else ever sees it. Raises :class:`RuntimeError_`."""
+        ...
+
+    async def inspect(self, req: VMRequest) -> VMState:
+        """Observe the VM (never raises for a VM that is simply gone: status ``missing``)."""
+        ...
+
+    async def stop(self, req: VMRequest, grace_seconds: float = 10.0) -> None:
+        """Stop the VM: graceful first, killed after ``grace_seconds``. Idempotent."""
+        ...
+
+    async def cleanup(self, req: VMRequest) -> None:
+        """Remove every per-VM file (scratch, logs, the delivered JIT config). Idempotent."""
+        ...

@@ -1,0 +1,55 @@
+"""``status.conditions`` with Kubernetes API conventions: type, status, reason, message,
+lastTransitionTime (changes only when status flips), observedGeneration."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from typing import Any
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class ConditionSet:
+    """Mutable set of conditions of one object, keyed by type."""
+
+    def __init__(self, items: Iterable[dict[str, Any]], generation: int) -> None:
+        self.generation = generation
+        self._items: dict[str, dict[str, Any]] = {c["type"]: dict(c) for c in items}
+
+    @classmethod
+    def from_status(cls, status: dict[str, Any] | None, generation: int) -> ConditionSet:
+        """Conditions from an object's ``status`` (may be None)."""
+        return cls((status or {}).get("conditions") or [], generation)
+
+    def set(self, type_: str, status: bool, reason: str, message: str) -> bool:
+        """Set one condition. Returns True when its status changed (a transition worth an
+        Event); lastTransitionTime moves only then."""
+        value = "True" if status else "False"
+        old = self._items.get(type_)
+        changed = old is None or old.get("status") != value
+        self._items[type_] = {
+            "type": type_,
+            "status": value,
+            "reason": reason,
+            "message": message[:1024],
+            "lastTransitionTime": _now() if changed or old is None else old["lastTransitionTime"],
+            "observedGeneration": self.generation,
+        }
+        return changed and (status or old is not None)
+
+    def is_true(self, type_: str) -> bool:
+        """Whether the condition exists and is True."""
+        c = self._items.get(type_)
+        return bool(c and c["status"] == "True")
+
+    def reason_of(self, type_: str, reasons: Iterable[str]) -> bool:
+        """Whether the condition currently has one of ``reasons``."""
+        c = self._items.get(type_)
+        return bool(c and c.get("reason") in set(reasons))
+
+    def as_list(self) -> list[dict[str, Any]]:
+        """The conditions, sorted by type (stable output for merge patches)."""
+        return [self._items[k] for k in sorted(self._items)]

@@ -1,0 +1,90 @@
+"""kopf handlers: thin. Each gathers what kopf hands it and calls the domain code.
+
+- one daemon per pool runs :class:`~impvm.operator.pool.PoolReconciler` passes, serialised per
+  pool (one loop per pool), woken early by VM events and webhooks;
+- VM events wake their pool;
+- pool deletion deregisters the pool's idle runners before the garbage collector removes its VMs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import kopf
+
+from impvm.api.models import GROUP, POOL_LABEL, VERSION
+from impvm.operator.context import OperatorContext
+from impvm.operator.pool import PoolReconciler
+from impvm.operator.teardown import deregister_pool_runners
+
+log = logging.getLogger("impvm.operator")
+
+#: Seconds before a failed pass is retried (exceptions other than GitHub's, e.g. API conflicts).
+ERROR_RETRY_SECONDS = 5.0
+
+
+def _ctx(memo: Any) -> OperatorContext:
+    ctx = memo.get("ctx")
+    assert isinstance(ctx, OperatorContext), "operator started without context"
+    return ctx
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """kopf settings: our own finalizer and annotation names, quiet event posting."""
+    settings.persistence.finalizer = "imp.dev/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix="operator.imp.dev"
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="operator.imp.dev", key="last-handled-configuration"
+    )
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+
+
+@kopf.daemon(GROUP, VERSION, "impvmrunnerpools", cancellation_timeout=2.0)
+async def pool_daemon(name: str, namespace: str | None, memo: Any, **_: Any) -> None:
+    """Reconcile one pool until it is deleted: a pass, then wait for a wake-up or the delay the
+    pass asked for."""
+    ctx = _ctx(memo)
+    key = (namespace or "", name)
+    mem = ctx.pool(key)
+    reconciler = PoolReconciler(ctx)
+    while True:
+        mem.wake.clear()
+        try:
+            delay = await reconciler.reconcile(key)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a failed pass is retried; messages carry no secrets
+            log.warning("pool %s/%s: pass failed: %s: %s", namespace, name, type(e).__name__, e)
+            delay = ERROR_RETRY_SECONDS
+        if delay is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(mem.wake.wait(), delay)
+
+
+@kopf.on.event(GROUP, VERSION, "impvms", labels={POOL_LABEL: kopf.PRESENT})
+async def vm_event(body: Any, memo: Any, **_: Any) -> None:
+    """Any change of a pool's VM wakes the pool."""
+    meta = body.get("metadata", {})
+    pool = (meta.get("labels") or {}).get(POOL_LABEL)
+    if pool:
+        _ctx(memo).wake((meta.get("namespace", ""), pool))
+
+
+@kopf.on.delete(GROUP, VERSION, "impvmrunnerpools", retries=30)
+async def pool_deleted(name: str, namespace: str | None, body: Any, memo: Any, **_: Any) -> None:
+    """Deregister the pool's runners that are not busy before its VMs go (no leaked
+    registrations). Busy runners are retried every 10 s, at most 30 times, then left to GitHub."""
+    ctx = _ctx(memo)
+    busy = await deregister_pool_runners(ctx, namespace or "", body)
+    ctx.pools.pop((namespace or "", name), None)
+    if busy:
+        raise kopf.TemporaryError(f"{busy} runner(s) still busy; retrying", delay=10)

@@ -1,0 +1,663 @@
+"""The pool controller: observe → decide (:func:`impvm.scaling.decide`) → act, once per pass.
+
+Follows seed 000_e4e8de15731273f5.txt step by step: read the pool and its template, list the
+pool's VMs, choose a desired count, create each ImpVM (ephemeral, labelled, owned by the pool)
+*before* its JIT Secret, mint the JIT config through the GitHub App, write the Secret owned by the
+VM, record its name in ``spec.runnerConfigSecret``. Failure boundaries (seed 000 table):
+
+- template missing → condition TemplateMissing, requeue after 30 s;
+- GitHub token or JIT mint fails → the VM stays without a Secret, the pass reports the error
+  (condition + Event, never a secret) and the mint is retried with backoff;
+- installation removed/suspended → condition GitHubUnavailable says the installation is
+  unavailable;
+- JIT Secret cannot be written → the VM exists without setup; the next pass repairs it (the
+  registration made by the failed pass is deleted first, see ``SecretMint.stale_runner_id``).
+
+Scale-down deletes the runner registration first and the VM only after GitHub accepted; a 422
+(busy runner) keeps the VM.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import logging
+import secrets as pysecrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from lightkube.core.exceptions import ApiError
+from lightkube.models.meta_v1 import ObjectMeta, OwnerReference
+from lightkube.resources.core_v1 import Secret
+from lightkube.types import PatchType
+
+from impvm.api.models import (
+    API_VERSION,
+    DEMAND_ANNOTATION,
+    JIT_SECRET_KEY,
+    POOL_LABEL,
+    ImpVM,
+    ImpVMClass,
+    ImpVMRunnerPool,
+    ImpVMTemplate,
+)
+from impvm.api.resources import (
+    ImpVMClassResource,
+    ImpVMResource,
+    ImpVMRunnerPoolResource,
+    ImpVMTemplateResource,
+)
+from impvm.github import (
+    REPO_RUNNER_GROUP_ID,
+    DeleteOutcome,
+    GitHubClient,
+    Runner,
+    Scope,
+    credentials_from_secret,
+)
+from impvm.github.errors import (
+    BadCredentials,
+    CredentialsError,
+    GitHubError,
+    InstallationUnavailable,
+    PermissionNotGranted,
+    RateLimited,
+)
+from impvm.operator import conditions as cond
+from impvm.operator.context import OperatorContext, PoolKey
+from impvm.operator.demand import poll_queued_jobs
+from impvm.scaling import (
+    PoolLimits,
+    PoolSnapshot,
+    RunnerView,
+    ScalePlan,
+    VMView,
+    decide,
+    parse_demand,
+)
+
+log = logging.getLogger("impvm.operator.pool")
+
+FIELD_MANAGER = "impvm-operator"
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _ts(t: dt.datetime) -> str:
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def runner_prefix(pool_name: str, pool_uid: str) -> str:
+    """Name prefix of every VM (and so every runner) of one pool: ``<pool>-<uid[:5]>-``.
+
+    The uid part keeps two pools with overlapping names (``ci``/``ci-x``) or equal names in two
+    namespaces from ever claiming each other's runners (GARM: touch only what we created)."""
+    return f"{pool_name}-{pool_uid.replace('-', '')[:5]}-"
+
+
+def secret_name(vm_name: str) -> str:
+    """Deterministic name of a VM's JIT Secret, so a crash between writing the Secret and
+    recording it on the VM is repaired by the next pass."""
+    return f"{vm_name}-jit"
+
+
+@dataclass
+class Observed:
+    """One pass's view of a pool (the imperative shell's snapshot)."""
+
+    pool: ImpVMRunnerPool
+    raw: dict[str, Any]
+    template: ImpVMTemplate | None = None
+    vm_class: ImpVMClass | None = None
+    vms: list[dict[str, Any]] = field(default_factory=list)
+    secrets: set[str] = field(default_factory=set)
+    runners: list[Runner] | None = None
+    github: GitHubClient | None = None
+    scope: Scope | None = None
+    github_error: GitHubError | None = None
+    #: (reason, message) of a failure this pass that makes the pool not Ready
+    failure: tuple[str, str] | None = None
+
+    @property
+    def pool_name(self) -> str:
+        return str(self.raw["metadata"]["name"])
+
+    @property
+    def pool_uid(self) -> str:
+        return str(self.raw["metadata"]["uid"])
+
+
+class PoolReconciler:
+    """Reconciles one pool per :meth:`reconcile` call. Stateless but for ``ctx`` caches."""
+
+    def __init__(self, ctx: OperatorContext) -> None:
+        self.ctx = ctx
+
+    # ------------------------------------------------------------------ entry point
+
+    async def reconcile(self, key: PoolKey) -> float | None:
+        """One pass over pool ``key``. Returns seconds until the next pass (None: pool gone)."""
+        ns, name = key
+        try:
+            raw = (await self.ctx.kube.get(ImpVMRunnerPoolResource, name, namespace=ns)).to_dict()
+        except ApiError as e:
+            if e.status.code == 404:
+                return None
+            raise
+        if raw["metadata"].get("deletionTimestamp"):
+            return None
+        pool = ImpVMRunnerPool.model_validate(raw)
+        obs = Observed(pool=pool, raw=raw)
+        conditions = cond.ConditionSet.from_status(raw.get("status"), raw["metadata"]["generation"])
+
+        # 1. template and class (seed 000: the template gives base image and class)
+        if not await self._observe_template(obs, conditions):  # requeue after 30 s
+            await self._write_status(key, obs, conditions, None)
+            return self.ctx.settings.template_missing_requeue_seconds
+
+        # 2. GitHub: credentials, then runners (before VMs: see impvm.scaling ordering rule)
+        await self._observe_github(key, obs, conditions)
+        # 3. the pool's VMs and their Secrets
+        await self._observe_vms(obs)
+        # 4. demand
+        queued = await self._observe_demand(key, obs, conditions)
+
+        snapshot = self._snapshot(obs, queued)
+        plan = decide(snapshot)
+        created = await self._act(key, obs, plan, conditions)
+        await self._sync_vm_runner_status(obs)
+        await self._write_status(key, obs, conditions, plan, created)
+        busy = plan.create > created or plan.counts.starting > 0 or bool(plan.mint_secrets)
+        s = self.ctx.settings
+        return s.busy_resync_seconds if busy else s.resync_seconds
+
+    # ------------------------------------------------------------------ observe
+
+    async def _observe_template(self, obs: Observed, conditions: cond.ConditionSet) -> bool:
+        ns = obs.raw["metadata"]["namespace"]
+        tname = obs.pool.spec.template_name
+        try:
+            t = await self.ctx.kube.get(ImpVMTemplateResource, tname, namespace=ns)
+        except ApiError as e:
+            if e.status.code != 404:
+                raise
+            msg = f"ImpVMTemplate {tname!r} not found in namespace {ns}; retrying in 30s"
+            if conditions.set("TemplateMissing", True, "NotFound", msg):
+                self._event(obs, "TemplateMissing", msg, warning=True)
+            conditions.set("Ready", False, "TemplateMissing", msg)
+            return False
+        obs.template = ImpVMTemplate.model_validate(t.to_dict())
+        cname = obs.template.spec.class_ref.name
+        try:
+            c = await self.ctx.kube.get(ImpVMClassResource, cname)
+        except ApiError as e:
+            if e.status.code != 404:
+                raise
+            msg = f"ImpVMClass {cname!r} (from template {tname!r}) not found; retrying in 30s"
+            if conditions.set("TemplateMissing", True, "ClassNotFound", msg):
+                self._event(obs, "TemplateMissing", msg, warning=True)
+            conditions.set("Ready", False, "TemplateMissing", msg)
+            return False
+        obs.vm_class = ImpVMClass.model_validate(c.to_dict())
+        conditions.set("TemplateMissing", False, "Found", f"template {tname} and class {cname}")
+        return True
+
+    async def _observe_github(
+        self, key: PoolKey, obs: Observed, conditions: cond.ConditionSet
+    ) -> None:
+        ns = key[0]
+        platform = obs.pool.spec.platform
+        obs.scope = Scope(org=platform.scope.org, repo=platform.scope.repo)
+        try:
+            sec = await self.ctx.kube.get(Secret, platform.credentials_secret, namespace=ns)
+        except ApiError as e:
+            if e.status.code != 404:
+                raise
+            err = CredentialsError(f"credentials Secret {platform.credentials_secret!r} not found")
+            self._github_failed(key, obs, conditions, err)
+            return
+        data = {k: base64.b64decode(v) for k, v in (sec.data or {}).items()}
+        fingerprint = (
+            f"{sec.metadata.resourceVersion if sec.metadata else ''}|{platform.server_url}"
+        )
+        try:
+            creds = credentials_from_secret(data, platform.token_source)
+        except CredentialsError as e:
+            self._github_failed(key, obs, conditions, e)
+            return
+        s = self.ctx.settings
+        obs.github = self.ctx.github_client(
+            ns,
+            platform.credentials_secret,
+            fingerprint,
+            lambda: GitHubClient(
+                creds,
+                server_url=platform.server_url,
+                api_url=s.github_api_url,
+                timeout=s.github_timeout,
+                retry=s.github_retry,
+            ),
+        )
+        prefix = runner_prefix(obs.pool_name, obs.pool_uid)
+        try:
+            obs.runners = await obs.github.list_runners(obs.scope, name_prefix=prefix)
+        except GitHubError as e:
+            self._github_failed(key, obs, conditions, e)
+            return
+        conditions.set("CredentialsInvalid", False, "Valid", "credentials accepted by GitHub")
+        conditions.set("GitHubUnavailable", False, "Available", "GitHub answered")
+        conditions.set("RateLimited", False, "WithinLimits", "")
+
+    def _github_failed(
+        self, key: PoolKey, obs: Observed, conditions: cond.ConditionSet, err: GitHubError
+    ) -> None:
+        """Record a GitHub/credentials failure in conditions and an Event (no secrets: the
+        client's messages are redacted, ours name keys, never values)."""
+        obs.github_error = err
+        msg = str(err)
+        reason = type(err).__name__
+        if isinstance(err, CredentialsError | BadCredentials):
+            changed = conditions.set("CredentialsInvalid", True, reason, msg)
+        elif isinstance(err, RateLimited):
+            reset = _now() + dt.timedelta(seconds=err.retry_after)
+            changed = conditions.set(
+                "RateLimited",
+                True,
+                f"{err.kind.capitalize()}RateLimit",
+                f"{msg}; resets {_ts(reset)}",
+            )
+        elif isinstance(err, InstallationUnavailable):
+            changed = conditions.set(
+                "GitHubUnavailable",
+                True,
+                "InstallationUnavailable",
+                f"the GitHub App installation is unavailable ({err.reason}): {msg}",
+            )
+        elif isinstance(err, PermissionNotGranted):
+            changed = conditions.set("CredentialsInvalid", True, reason, msg)
+        else:
+            changed = conditions.set("GitHubUnavailable", True, reason, msg)
+        if changed or self.ctx.pool(key).last_error != msg:
+            self._event(obs, "GitHubError", msg, warning=True)
+        self.ctx.pool(key).last_error = msg
+
+    async def _observe_vms(self, obs: Observed) -> None:
+        ns = obs.raw["metadata"]["namespace"]
+        uid = obs.pool_uid
+        labels: Any = {POOL_LABEL: obs.pool_name}
+        obs.vms = [
+            o.to_dict()
+            async for o in self.ctx.kube.list(ImpVMResource, namespace=ns, labels=labels)
+            if any(r.get("uid") == uid for r in o.to_dict()["metadata"].get("ownerReferences", []))
+        ]
+        obs.secrets = {
+            s.metadata.name
+            async for s in self.ctx.kube.list(Secret, namespace=ns, labels=labels)
+            if s.metadata and s.metadata.name
+        }
+
+    async def _observe_demand(
+        self, key: PoolKey, obs: Observed, conditions: cond.ConditionSet
+    ) -> int:
+        mem = self.ctx.pool(key)
+        scaling = obs.pool.spec.scaling
+        polling = scaling.polling if scaling else None
+        if not (
+            scaling
+            and scaling.mode in ("polling", "hybrid")
+            and polling
+            and polling.enabled
+            and obs.github
+            and obs.scope
+        ):
+            return 0
+        now = self.ctx.clock()
+        if now - mem.last_poll < polling.interval_seconds and mem.last_poll:
+            return mem.queued_jobs
+        try:
+            mem.queued_jobs = await poll_queued_jobs(obs.github, obs.scope, obs.pool.spec.labels)
+        except GitHubError as e:
+            self._github_failed(key, obs, conditions, e)
+        mem.last_poll = now
+        return mem.queued_jobs
+
+    def _snapshot(self, obs: Observed, queued: int) -> PoolSnapshot:
+        scaling = obs.pool.spec.scaling
+        assert scaling is not None  # the API server requires it for github-actions pools
+        status = obs.pool.status
+        limits = PoolLimits(
+            min_idle=scaling.min_idle or 0,
+            max_concurrent=scaling.max_concurrent or 0,
+            scale_up_step=scaling.scale_up_step or 1,
+            cooldown_seconds=scaling.cooldown_seconds or 0,
+            bootstrap_timeout_seconds=obs.pool.spec.bootstrap_timeout_seconds,
+        )
+        vms = tuple(self._vm_view(o, obs.secrets) for o in obs.vms)
+        runners = (
+            None
+            if obs.runners is None
+            else tuple(
+                RunnerView(id=r.id, name=r.name, online=r.status == "online", busy=r.busy)
+                for r in obs.runners
+            )
+        )
+        annotations = obs.raw["metadata"].get("annotations") or {}
+        return PoolSnapshot(
+            limits=limits,
+            now=_now(),
+            vms=vms,
+            runners=runners,
+            queued_jobs=queued,
+            demand_annotation=parse_demand(annotations.get(DEMAND_ANNOTATION)),
+            last_scale_up_time=status.last_scale_up_time if status else None,
+        )
+
+    @staticmethod
+    def _vm_view(o: dict[str, Any], secrets: set[str]) -> VMView:
+        vm = ImpVM.model_validate(o)
+        st = vm.status
+        meta = o["metadata"]
+        return VMView(
+            name=meta["name"],
+            created_at=dt.datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00")),
+            phase=st.phase if st else None,
+            started_at=st.started_at if st else None,
+            deleting=bool(meta.get("deletionTimestamp")),
+            runner_id=st.runner.id if st and st.runner else None,
+            has_secret=bool(vm.spec.runner_config_secret)
+            and vm.spec.runner_config_secret in secrets,
+            job_id=st.job.id if st and st.job else None,
+        )
+
+    # ------------------------------------------------------------------ act
+
+    async def _act(
+        self, key: PoolKey, obs: Observed, plan: ScalePlan, conditions: cond.ConditionSet
+    ) -> int:
+        for d in plan.delete_vms:
+            await self._delete_vm(obs, d.name, d.runner_id, d.deregister_first, d.message)
+        if obs.github and obs.scope:
+            for r in plan.delete_registrations:
+                try:
+                    await obs.github.delete_runner(obs.scope, r.runner_id)
+                    self._event(obs, "RegistrationRemoved", r.message)
+                except GitHubError as e:
+                    log.warning("pool %s/%s: could not remove registration: %s", *key, e)
+
+        mem = self.ctx.pool(key)
+        if not mem.github_backoff.ready(self.ctx.clock()):
+            return 0  # GitHub failed recently: neither mint nor create until the backoff ends
+        for m in plan.mint_secrets:
+            vm = next((o for o in obs.vms if o["metadata"]["name"] == m.name), None)
+            if vm is None or not await self._mint(key, obs, vm, m.stale_runner_id, conditions):
+                return 0
+        created = 0
+        for _ in range(plan.create):
+            vm = await self._create_vm(obs)
+            created += 1
+            if not await self._mint(key, obs, vm, None, conditions):
+                break
+        if created:
+            self._event(obs, "ScaledUp", f"created {created} VM(s): {plan.create_reason}"[:1000])
+        return created
+
+    async def _create_vm(self, obs: Observed) -> dict[str, Any]:
+        """Create one ImpVM from the template (seed 000 step 2): ephemeral, labelled, owned by
+        the pool; class and image copied; runnerLayer from the pool, else the template."""
+        assert obs.template is not None
+        meta = obs.raw["metadata"]
+        t = obs.template.spec
+        pool = obs.pool.spec
+        name = runner_prefix(obs.pool_name, obs.pool_uid) + pysecrets.token_hex(3)
+        spec: dict[str, Any] = {
+            "classRef": {"name": t.class_ref.name},
+            "image": t.image,
+            "lifecycle": "ephemeral",
+        }
+        layer = pool.runner_layer or t.runner_layer
+        if layer:
+            spec["runnerLayer"] = layer
+        if pool.allow_unpinned_images or t.allow_unpinned_images:
+            spec["allowUnpinnedImages"] = True
+        expire = pool.expire_after or t.expire_after
+        if expire:
+            spec["expireAfter"] = expire
+        body = {
+            "apiVersion": API_VERSION,
+            "kind": "ImpVM",
+            "metadata": {
+                "name": name,
+                "namespace": meta["namespace"],
+                "labels": {POOL_LABEL: obs.pool_name},
+                "ownerReferences": [
+                    {
+                        "apiVersion": API_VERSION,
+                        "kind": "ImpVMRunnerPool",
+                        "name": obs.pool_name,
+                        "uid": obs.pool_uid,
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
+            },
+            "spec": spec,
+        }
+        created = await self.ctx.kube.create(ImpVMResource.from_dict(body))
+        out: dict[str, Any] = created.to_dict()
+        obs.vms.append(out)
+        return out
+
+    async def _mint(
+        self,
+        key: PoolKey,
+        obs: Observed,
+        vm: dict[str, Any],
+        stale_runner_id: int | None,
+        conditions: cond.ConditionSet,
+    ) -> bool:
+        """Mint a JIT config for ``vm`` and attach it (seed 000 steps 3-5). Returns False when
+        GitHub or the Secret write failed (the VM stays without setup; retried with backoff)."""
+        mem = self.ctx.pool(key)
+        vm_name = vm["metadata"]["name"]
+        ns = vm["metadata"]["namespace"]
+        sname = secret_name(vm_name)
+        if sname in obs.secrets:
+            # the Secret was written but not recorded: record it (crash repair)
+            await self._record_secret(ns, vm_name, sname)
+            return True
+        if obs.github is None or obs.scope is None:
+            return False
+        platform = obs.pool.spec.platform
+        try:
+            if stale_runner_id is not None:
+                outcome = await obs.github.delete_runner(obs.scope, stale_runner_id)
+                if outcome is DeleteOutcome.BUSY:
+                    return False
+            if obs.scope.org is not None:
+                group = await obs.github.runner_group_id(obs.scope.org, platform.runner_group)
+            else:
+                group = REPO_RUNNER_GROUP_ID
+            jit = await obs.github.generate_jitconfig(
+                obs.scope, vm_name, group, obs.pool.spec.labels
+            )
+        except GitHubError as e:
+            delay = mem.github_backoff.failed(
+                self.ctx.clock(), e.retry_after if isinstance(e, RateLimited) else 0.0
+            )
+            self._github_failed(key, obs, conditions, e)
+            msg = f"JIT config for {vm_name} not minted ({type(e).__name__}); retry in {delay:.0f}s"
+            obs.failure = ("JitMintFailed", msg)
+            return False
+        mem.github_backoff.succeeded()
+        secret = Secret(
+            metadata=ObjectMeta(
+                name=sname,
+                namespace=ns,
+                labels={POOL_LABEL: obs.pool_name},
+                ownerReferences=[
+                    OwnerReference(
+                        apiVersion=API_VERSION,
+                        kind="ImpVM",
+                        name=vm_name,
+                        uid=vm["metadata"]["uid"],
+                        controller=True,
+                        blockOwnerDeletion=True,
+                    )
+                ],
+            ),
+            type="Opaque",
+            data={
+                JIT_SECRET_KEY: base64.b64encode(
+                    jit.encoded_jit_config.get_secret_value().encode()
+                ).decode()
+            },
+        )
+        await self._patch_vm_status(
+            ns, vm_name, {"runner": {"id": jit.runner_id, "name": jit.runner_name}}
+        )
+        try:
+            await self.ctx.kube.create(secret)
+        except ApiError as e:
+            if e.status.code != 409:
+                msg = f"JIT Secret {sname} could not be written (HTTP {e.status.code})"
+                obs.failure = ("SecretWriteFailed", msg)
+                self._event(obs, "SecretWriteFailed", msg, warning=True)
+                return False
+        obs.secrets.add(sname)
+        await self._record_secret(ns, vm_name, sname)
+        return True
+
+    async def _record_secret(self, ns: str, vm_name: str, sname: str) -> None:
+        await self.ctx.kube.patch(
+            ImpVMResource,
+            vm_name,
+            {"spec": {"runnerConfigSecret": sname}},
+            namespace=ns,
+            patch_type=PatchType.MERGE,
+        )
+
+    async def _delete_vm(
+        self,
+        obs: Observed,
+        name: str,
+        runner_id: int | None,
+        deregister_first: bool,
+        message: str,
+    ) -> bool:
+        """Delete a VM; deregister its runner first when asked (a busy runner keeps its VM).
+        For terminal VMs the deregistration is best effort (orphan sweep catches the rest)."""
+        ns = obs.raw["metadata"]["namespace"]
+        if runner_id is not None and obs.github and obs.scope:
+            try:
+                outcome = await obs.github.delete_runner(obs.scope, runner_id)
+            except GitHubError as e:
+                if deregister_first:
+                    log.info("keeping %s/%s: deregistration failed: %s", ns, name, e)
+                    return False
+                outcome = DeleteOutcome.NOT_FOUND
+            if outcome is DeleteOutcome.BUSY:
+                self._event(obs, "ScaleDownSkipped", f"runner {name} is busy; VM kept")
+                return False
+        elif deregister_first and runner_id is not None:
+            return False  # GitHub unknown this pass: never delete a possibly busy runner
+        try:
+            await self.ctx.kube.delete(ImpVMResource, name, namespace=ns)
+        except ApiError as e:
+            if e.status.code != 404:
+                raise
+        self._event(obs, "VMDeleted", f"{name}: {message}"[:1000])
+        return True
+
+    async def _sync_vm_runner_status(self, obs: Observed) -> None:
+        """Copy what GitHub says of each VM's runner into ``ImpVM.status.runner``."""
+        if obs.runners is None:
+            return
+        by_name = {r.name: r for r in obs.runners}
+        for o in obs.vms:
+            name = o["metadata"]["name"]
+            r = by_name.get(name)
+            if r is None or o["metadata"].get("deletionTimestamp"):
+                continue
+            cur = (o.get("status") or {}).get("runner") or {}
+            want = {"id": r.id, "name": r.name, "online": r.status == "online", "busy": r.busy}
+            if any(cur.get(k) != v for k, v in want.items()):
+                try:
+                    await self._patch_vm_status(o["metadata"]["namespace"], name, {"runner": want})
+                except ApiError as e:
+                    if e.status.code != 404:
+                        raise
+
+    async def _patch_vm_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
+        await self.ctx.kube.patch(
+            ImpVMResource.Status,
+            name,
+            {"status": status},
+            namespace=ns,
+            patch_type=PatchType.MERGE,
+        )
+
+    # ------------------------------------------------------------------ status
+
+    async def _write_status(
+        self,
+        key: PoolKey,
+        obs: Observed,
+        conditions: cond.ConditionSet,
+        plan: ScalePlan | None,
+        created: int = 0,
+    ) -> None:
+        status: dict[str, Any] = {"observedGeneration": obs.raw["metadata"]["generation"]}
+        if plan is not None:
+            c = plan.counts
+            status.update(
+                starting=c.starting + created,
+                idle=c.idle,
+                busy=c.busy,
+                total=c.total + created,
+                desired=c.desired,
+                pendingJobs=c.pending,
+            )
+            if created:
+                status["lastScaleUpTime"] = _ts(_now())
+            if obs.failure is not None:
+                conditions.set("Ready", False, *obs.failure)
+            elif obs.github_error is not None:
+                conditions.set(
+                    "Ready", False, type(obs.github_error).__name__, str(obs.github_error)
+                )
+            else:
+                conditions.set(
+                    "Ready",
+                    True,
+                    "Reconciled",
+                    f"{c.idle} idle, {c.busy} busy, {c.starting + created} starting; "
+                    f"desired {c.desired}",
+                )
+        status["conditions"] = conditions.as_list()
+        try:
+            await self.ctx.kube.patch(
+                ImpVMRunnerPoolResource.Status,
+                key[1],
+                {"status": status},
+                namespace=key[0],
+                patch_type=PatchType.MERGE,
+            )
+        except ApiError as e:
+            if e.status.code != 404:
+                raise
+
+    def _event(self, obs: Observed, reason: str, message: str, warning: bool = False) -> None:
+        body: Any = {
+            "apiVersion": API_VERSION,
+            "kind": "ImpVMRunnerPool",
+            "metadata": {
+                "name": obs.pool_name,
+                "namespace": obs.raw["metadata"]["namespace"],
+                "uid": obs.pool_uid,
+            },
+        }
+        log.info("pool %s: %s: %s", obs.pool_name, reason, message)
+        kopf.event(body, type="Warning" if warning else "Normal", reason=reason, message=message)
