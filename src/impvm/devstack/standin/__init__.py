@@ -1,0 +1,87 @@
+"""The GitHub stand-in: a real HTTP server that behaves like GitHub for what impvm calls.
+
+In process (tests)::
+
+    standin = StandIn()
+    await standin.start()            # binds 127.0.0.1 on a free port
+    standin.state.add_app(APP_ID, private_key_pem)          # public part is used
+    standin.state.add_installation(INST_ID, APP_ID, "octo-org",
+                                   {"organization_self_hosted_runners": "write"})
+    standin.state.add_repo("octo-org/app")
+    ... GitHubClient(creds, api_url=standin.url) ...
+    await standin.stop()
+
+Out of process: ``impvm github-standin --host H --port P`` (:func:`serve`), then seed with
+``POST /_standin/seed`` (see :mod:`impvm.devstack.standin.server` for the control API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from impvm.devstack.standin.server import build_app
+from impvm.devstack.standin.state import StandInState
+
+__all__ = ["StandIn", "StandInState", "serve"]
+
+
+class StandIn:
+    """An in-process stand-in on ``host``:``port`` (0 = a free port). ``url`` is the API base
+    (``http://host:port``; ``url + "/api/v3"`` serves the same API GHES-style)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        self.port = port
+        self.state = StandInState()
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` once started."""
+        if self._runner is None:
+            raise RuntimeError("stand-in not started")
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Bind and serve. Raises ``OSError`` if the port is taken."""
+        runner = web.AppRunner(build_app(self.state), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
+        await site.start()
+        if self.port == 0:
+            self.port = int(runner.addresses[0][1])
+        self._runner = runner
+        self.state.base_url = self.url
+
+    async def stop(self) -> None:
+        """Stop serving. Idempotent."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> StandIn:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def serve(host: str, port: int) -> None:
+    """Serve the stand-in until interrupted (blocking). Used by ``impvm github-standin``."""
+
+    async def _main() -> None:
+        standin = StandIn(host, port)
+        await standin.start()
+        print(f"GitHub stand-in listening on {standin.url}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await standin.stop()
+
+    try:
+        asyncio.run(_main())
+    except KeyboardInterrupt:
+        pass
