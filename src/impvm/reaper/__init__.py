@@ -1,1 +1,38 @@
-"""impvm.reaper."""
+"""impvm.reaper: the pure decision table for runner VMs that outlive their job (seed 004,
+issue 7). No I/O; see :mod:`impvm.reaper.table`."""
+
+from impvm.reaper.table import (
+    DEFAULT_COMPLETED_GRACE_SECONDS,
+    DEFAULT_MAX_JOB_SECONDS,
+    Action,
+    JobInfo,
+    Lookup,
+    ReapVM,
+    Rule,
+    RunInfo,
+    Verdict,
+    format_duration,
+    judge,
+    lookup_failed,
+    needs_lookup,
+    parse_repository,
+    parse_run_id,
+)
+
+__all__ = [
+    "DEFAULT_COMPLETED_GRACE_SECONDS",
+    "DEFAULT_MAX_JOB_SECONDS",
+    "Action",
+    "JobInfo",
+    "Lookup",
+    "ReapVM",
+    "Rule",
+    "RunInfo",
+    "Verdict",
+    "format_duration",
+    "judge",
+    "lookup_failed",
+    "needs_lookup",
+    "parse_repository",
+    "parse_run_id",
+]

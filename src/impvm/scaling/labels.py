@@ -1,0 +1,121 @@
+"""Which pool a queued GitHub Actions job belongs to (pure; issue 6).
+
+GitHub routes a job to a self-hosted runner only when *every* label in the job's ``runs-on`` is
+one of the runner's labels, compared case-insensitively ("Choosing the runner for a job",
+GitHub Docs: "a job runs on a runner whose labels match all the labels in runs-on"). A runner
+made from a pool reports the pool's ``spec.labels`` plus ``self-hosted`` and the platform and
+architecture labels the runner program adds itself (``linux``, ``x64`` for our VMs).
+
+Nothing here does I/O; the poller and the webhook receiver call these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_RUNNER_LABELS",
+    "PoolKey",
+    "choose_pool",
+    "demand_by_pool",
+    "job_matches",
+    "normalise_labels",
+]
+
+#: Labels every pool runner reports besides the pool's own: ``self-hosted`` (GitHub adds it to
+#: every self-hosted runner; we also pass it in the JIT request, seed 000 step 4) and the
+#: operating system and architecture labels the runner program reports for our Linux x86-64 VMs.
+DEFAULT_RUNNER_LABELS: frozenset[str] = frozenset({"self-hosted", "linux", "x64"})
+
+
+def normalise_labels(labels: Iterable[str]) -> frozenset[str]:
+    """Case-fold ``labels`` into a set (GitHub compares runner labels case-insensitively)."""
+    return frozenset(label.casefold() for label in labels)
+
+
+def _effective(pool_labels: Iterable[str], runner_labels: Iterable[str]) -> frozenset[str]:
+    return normalise_labels(pool_labels) | normalise_labels(runner_labels)
+
+
+def job_matches(
+    job_labels: Iterable[str],
+    pool_labels: Iterable[str],
+    runner_labels: Iterable[str] = DEFAULT_RUNNER_LABELS,
+) -> bool:
+    """Whether a job with ``job_labels`` (its ``runs-on``) can run on a runner of a pool.
+
+    True when every job label, case-folded, is in the union of ``pool_labels`` and
+    ``runner_labels`` (case-folded; ``runner_labels`` defaults to
+    :data:`DEFAULT_RUNNER_LABELS`). Source: issue 6, GitHub Docs
+    "Choosing the runner for a job".
+
+    An **empty** ``job_labels`` matches nothing: GitHub never queues a job without a label (a
+    ``runs-on`` is required), so an empty list means the caller lost the labels, and routing such
+    a job to an arbitrary pool would start VMs for a job that may not be ours.
+    """
+    wanted = normalise_labels(job_labels)
+    if not wanted:
+        return False
+    return wanted <= _effective(pool_labels, runner_labels)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolKey:
+    """A pool as seen by job routing: ``namespace``/``name`` and its ``spec.labels``."""
+
+    namespace: str
+    name: str
+    labels: tuple[str, ...] = ()
+
+
+def choose_pool(
+    job_labels: Iterable[str],
+    pools: Sequence[PoolKey],
+    runner_labels: Iterable[str] = DEFAULT_RUNNER_LABELS,
+) -> PoolKey | None:
+    """The one pool a job belongs to, or None when no pool matches (see :func:`job_matches`).
+
+    A job matching several pools goes to exactly one, deterministically: the pool with the fewest
+    distinct labels (the tightest fit, so a big runner does not take a small job), ties broken by
+    ``(namespace, name)`` (pools are unique by it; should two entries share one, their sorted
+    labels decide). Labels a pool repeats, or that every runner reports anyway
+    (``runner_labels``), do not count towards its size. Source: issue 6.
+
+    ``pools`` must already be restricted to pools whose ``platform.scope`` covers the job's
+    repository (the caller knows the scopes; this function only compares labels).
+    """
+    job = list(job_labels)
+    implicit = normalise_labels(runner_labels)
+    candidates = [p for p in pools if job_matches(job, p.labels, implicit)]
+    if not candidates:
+        return None
+    return min(
+        candidates,
+        key=lambda p: (
+            len(normalise_labels(p.labels) - implicit),
+            p.namespace,
+            p.name,
+            tuple(sorted(p.labels)),
+        ),
+    )
+
+
+def demand_by_pool(
+    jobs: Iterable[Sequence[str]],
+    pools: Sequence[PoolKey],
+    runner_labels: Iterable[str] = DEFAULT_RUNNER_LABELS,
+) -> dict[PoolKey, int]:
+    """Count queued jobs per pool: each job (given as its label list) goes to
+    :func:`choose_pool`'s pool; jobs matching no pool are not counted.
+
+    Returns ``{pool: queued jobs}`` with an entry (possibly 0) for every pool in ``pools``; the
+    count is a pool's "queued jobs matching the pool's labels" of seed 000 step 1 / issue 6.
+    """
+    implicit = normalise_labels(runner_labels)
+    counts = dict.fromkeys(pools, 0)
+    for labels in jobs:
+        pool = choose_pool(labels, pools, implicit)
+        if pool is not None:
+            counts[pool] += 1
+    return counts
