@@ -7,8 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 log() { echo "setup: $*" >&2; }
 
-# Debian packages the runtimes and tests use (bubblewrap: process runtime sandbox).
-DEB_PACKAGES=(bubblewrap)
+# Debian packages the runtimes and tests use: bubblewrap (process runtime sandbox), skopeo +
+# umoci (pull and unpack OCI images), docker-registry (loopback registry), busybox-static (test
+# images).
+DEB_PACKAGES=(bubblewrap skopeo umoci docker-registry busybox-static)
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

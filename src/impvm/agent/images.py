@@ -1,0 +1,436 @@
+"""Image preparation for the node agent: pull by digest, verify, unpack, add runner layer, cache.
+
+Rules (seed 001 "Runner image contract", seed 003 "pull by digest, never by tag"):
+
+* A reference must be pinned (``REPO@sha256:<64 hex>``, a tag may precede the digest and is then
+  ignored). A tag-only reference is refused with :class:`ImageError` unless ``allow_unpinned``;
+  then the tag is resolved to a digest once and everything after uses the digest.
+* Pulling uses Debian's ``skopeo`` (``docker://REPO@DIGEST`` into a private OCI layout). Before
+  the copy the raw manifest is fetched (``skopeo inspect --raw``) and its sha256 must equal the
+  pinned digest; skopeo's copy by digest verifies the same again, so a registry cannot swap content.
+* Unpacking uses ``umoci unpack`` (``--rootless`` when not root): whiteouts, ownership, modes,
+  symlinks and device nodes are handled by umoci, never by our code. The runner layer image is
+  unpacked the same way into a second bundle and its rootfs is copied over the base with
+  ``cp -a`` so files of the layer win. Limitation: deletions (whiteouts) in the runner layer image
+  relative to the *base* image are not applied; the layer can add and replace files only.
+* Prepared images are cached under ``cache_dir/images/<key>`` where ``key`` is derived from the
+  pair (image manifest digest, runner-layer manifest digest). A finished entry is made read-only
+  (write bits removed recursively) and is never written by VMs (runtimes mount it read-only).
+  The total size is capped at ``max_bytes`` with least-recently-used eviction; entries retained by
+  a running VM (:meth:`ImageStore.retain`) are never evicted by this process.
+* Concurrent preparation of the same pair runs once per process (an asyncio lock per key) and is
+  safe across processes: each build happens in a private temp dir and is published with an atomic
+  ``rename``; a loser of the race discards its copy and uses the winner's.
+
+All subprocesses run through :func:`asyncio.create_subprocess_exec`; blocking file-tree walks run
+in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import ipaddress
+import json
+import os
+import re
+import shutil
+import stat
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from impvm.agent.runtime import ImageError
+
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_POLICY = '{"default": [{"type": "insecureAcceptAnything"}]}\n'
+_INFO = "impvm.json"
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """A parsed image reference: ``name`` (``registry/repo``, without tag or digest), ``tag`` and
+    ``digest`` (``sha256:<hex>``), each optional but not both missing."""
+
+    name: str
+    tag: str | None
+    digest: str | None
+
+    @property
+    def registry(self) -> str:
+        """The registry host (``host[:port]``); ``docker.io`` when the name has no host part."""
+        first, sep, _ = self.name.partition("/")
+        if sep and ("." in first or ":" in first or first == "localhost"):
+            return first
+        return "docker.io"
+
+    @property
+    def pinned(self) -> str:
+        """``name@digest``; raises :class:`ImageError` when there is no digest."""
+        if self.digest is None:
+            raise ImageError(f"image reference {self.name!r} is not pinned by digest")
+        return f"{self.name}@{self.digest}"
+
+
+def parse_reference(ref: str) -> ImageRef:
+    """Parse ``[registry/]repo[:tag][@sha256:<64 hex>]``.
+
+    A reference with neither tag nor digest means tag ``latest`` (and is therefore unpinned).
+    Raises :class:`ImageError` for an empty or malformed reference or a malformed digest (only
+    ``sha256`` digests are accepted).
+    """
+    ref = ref.strip()
+    if not ref or any(c.isspace() for c in ref):
+        raise ImageError(f"invalid image reference {ref!r}")
+    name, at, digest = ref.partition("@")
+    if at and not _DIGEST_RE.match(digest):
+        raise ImageError(f"invalid digest in image reference {ref!r} (want sha256:<64 hex>)")
+    tag: str | None = None
+    last = name.rsplit("/", 1)[-1]
+    if ":" in last:
+        name, _, tag = name.rpartition(":")
+    if not name:
+        raise ImageError(f"invalid image reference {ref!r}")
+    if not at and tag is None:
+        tag = "latest"
+    return ImageRef(name=name, tag=tag, digest=digest if at else None)
+
+
+def _is_loopback(registry: str) -> bool:
+    host = registry
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """A prepared (unpacked, layered, read-only) image.
+
+    ``rootfs``: the directory to use as the guest's ``/`` (never write to it); ``key``: the cache
+    key of the (image digest, runner-layer digest) pair; ``image_digest``/``layer_digest``: the
+    verified manifest digests; ``size_bytes``: disk usage of the entry in bytes.
+    """
+
+    rootfs: Path
+    key: str
+    image_digest: str
+    layer_digest: str | None
+    size_bytes: int
+
+
+def cache_key(image_digest: str, layer_digest: str | None) -> str:
+    """The cache key of a pair: hex sha256 of ``"<image digest>\\n<layer digest or ->"``."""
+    return hashlib.sha256(f"{image_digest}\n{layer_digest or '-'}".encode()).hexdigest()
+
+
+def _tree_size(path: Path) -> int:
+    """Disk usage (bytes, 512-byte blocks, hard links counted once) of a tree."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            st = os.lstat(os.path.join(root, name))
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+    return total
+
+
+def _make_readonly(path: Path) -> None:
+    """Remove every write bit below ``path`` (files first, then directories); symlinks untouched."""
+    for root, dirs, files in os.walk(path, topdown=False):
+        for name in files + dirs:
+            p = os.path.join(root, name)
+            st = os.lstat(p)
+            if not stat.S_ISLNK(st.st_mode):
+                os.chmod(p, stat.S_IMODE(st.st_mode) & ~0o222)
+    st = os.lstat(path)
+    os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o222)
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a (possibly read-only) tree: give directories back their owner write bit first."""
+    if not os.path.lexists(path):
+        return
+    if path.is_dir() and not path.is_symlink():
+        os.chmod(path, 0o700)
+        for root, dirs, _files in os.walk(path):
+            for name in dirs:
+                p = os.path.join(root, name)
+                if not os.path.islink(p):
+                    os.chmod(p, 0o700)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class ImageStore:
+    """A node-local cache of prepared images.
+
+    ``cache_dir``: owned by the agent (created 0700); ``max_bytes``: size cap in bytes of all
+    prepared entries (an entry bigger than the cap alone is still kept while it is the newest);
+    ``insecure_registries``: ``host:port`` of registries reached over plain HTTP / without TLS
+    verification; only loopback registries are accepted (``ValueError`` otherwise).
+
+    ``builds`` counts the entries this instance actually built (cache misses), for tests.
+    """
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        max_bytes: int,
+        insecure_registries: set[str] | frozenset[str] = frozenset(),
+    ) -> None:
+        for reg in insecure_registries:
+            if not _is_loopback(reg):
+                raise ValueError(f"insecure registry {reg!r} is not a loopback address")
+        self.cache_dir = cache_dir
+        self.max_bytes = max_bytes
+        self.insecure_registries = frozenset(insecure_registries)
+        self.builds = 0
+        self._images = cache_dir / "images"
+        self._tmp = cache_dir / "tmp"
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._evict_lock = asyncio.Lock()
+        self._retained: dict[str, int] = {}
+        for d in (cache_dir, self._images, self._tmp):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(cache_dir, 0o700)
+        self._policy = cache_dir / "policy.json"
+        if not self._policy.exists():
+            self._policy.write_text(_POLICY)
+
+    # ---------------------------------------------------------------- public
+
+    async def prepare(
+        self,
+        image: str,
+        runner_layer: str | None = None,
+        allow_unpinned: bool = False,
+        auth_file: Path | None = None,
+    ) -> PreparedImage:
+        """Pull, verify, unpack and layer ``image`` + ``runner_layer`` (or return the cached entry).
+
+        ``auth_file``: a docker-config-style auth file (``{"auths": {...}}``) for both registries.
+        Raises :class:`ImageError` for a tag-only reference without ``allow_unpinned`` (naming the
+        reference), an unknown manifest, a digest mismatch, a registry/auth failure or an unpack
+        failure. Marks the entry as most recently used and then evicts least-recently-used
+        entries above ``max_bytes``.
+        """
+        img_digest = await self._resolve(image, allow_unpinned, auth_file)
+        img_ref = parse_reference(image)
+        layer_ref: ImageRef | None = None
+        layer_digest: str | None = None
+        if runner_layer:
+            layer_digest = await self._resolve(runner_layer, allow_unpinned, auth_file)
+            layer_ref = parse_reference(runner_layer)
+        key = cache_key(img_digest, layer_digest)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            entry = self._images / key
+            if not (entry / _INFO).exists():
+                pinned_layer = (
+                    f"{layer_ref.name}@{layer_digest}" if layer_ref and layer_digest else None
+                )
+                await self._build(key, f"{img_ref.name}@{img_digest}", pinned_layer, auth_file)
+            prepared = await asyncio.to_thread(self._load, key)
+            self._touch(key)
+        await self.evict()
+        return prepared
+
+    def retain(self, key: str) -> None:
+        """Mark an entry as in use (by a VM): :meth:`evict` skips it until :meth:`release`."""
+        self._retained[key] = self._retained.get(key, 0) + 1
+
+    def release(self, key: str) -> None:
+        """Undo one :meth:`retain`."""
+        n = self._retained.get(key, 0) - 1
+        if n > 0:
+            self._retained[key] = n
+        else:
+            self._retained.pop(key, None)
+
+    def entries(self) -> list[PreparedImage]:
+        """All complete cache entries, least recently used first."""
+        found: list[tuple[float, PreparedImage]] = []
+        for d in self._images.iterdir():
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                found.append((d.stat().st_mtime, self._load(d.name)))
+        return [p for _, p in sorted(found, key=lambda t: t[0])]
+
+    async def evict(self) -> list[str]:
+        """Evict least-recently-used, non-retained entries until the total is within
+        ``max_bytes`` (the most recently used entry is always kept). Returns evicted keys."""
+        async with self._evict_lock:
+            entries = await asyncio.to_thread(self.entries)
+            total = sum(e.size_bytes for e in entries)
+            evicted: list[str] = []
+            for e in entries[:-1]:
+                if total <= self.max_bytes:
+                    break
+                if e.key in self._retained or self._locks.get(e.key, asyncio.Lock()).locked():
+                    continue
+                trash = self._tmp / f"evict-{e.key}-{uuid.uuid4().hex}"
+                try:
+                    os.rename(self._images / e.key, trash)
+                except OSError:
+                    continue
+                await asyncio.to_thread(_remove_tree, trash)
+                total -= e.size_bytes
+                evicted.append(e.key)
+            return evicted
+
+    # ---------------------------------------------------------------- internals
+
+    def _touch(self, key: str) -> None:
+        now = time.time()
+        with contextlib.suppress(OSError):
+            os.utime(self._images / key, (now, now))
+
+    def _load(self, key: str) -> PreparedImage:
+        entry = self._images / key
+        info = json.loads((entry / _INFO).read_text())
+        return PreparedImage(
+            rootfs=entry / "rootfs",
+            key=key,
+            image_digest=info["image_digest"],
+            layer_digest=info["layer_digest"],
+            size_bytes=int(info["size_bytes"]),
+        )
+
+    def _tls_args(self, flag: str, ref: ImageRef) -> list[str]:
+        return [f"--{flag}=false"] if ref.registry in self.insecure_registries else []
+
+    async def _run(self, what: str, *args: str) -> bytes:
+        proc = await asyncio.create_subprocess_exec(
+            *args,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await proc.communicate()
+        if proc.returncode != 0:
+            msg = err.decode(errors="replace").strip()[-1000:]
+            raise ImageError(f"{what} failed (exit {proc.returncode}): {msg}")
+        return out
+
+    async def _resolve(self, image: str, allow_unpinned: bool, auth_file: Path | None) -> str:
+        """Return the verified manifest digest of ``image``.
+
+        Pinned: fetch the raw manifest by digest and check sha256(manifest) == digest. Unpinned:
+        refuse unless ``allow_unpinned``; otherwise fetch by tag and return sha256(manifest).
+        """
+        ref = parse_reference(image)
+        if ref.digest is None and not allow_unpinned:
+            raise ImageError(
+                f"image reference {image!r} is not pinned by digest; use "
+                f"{ref.name}@sha256:<digest> (seed 003: pull by digest, never by tag)"
+            )
+        target = ref.pinned if ref.digest else f"{ref.name}:{ref.tag}"
+        auth = ["--authfile", str(auth_file)] if auth_file else []
+        raw = await self._run(
+            f"fetching the manifest of {target}",
+            "skopeo",
+            "--policy",
+            str(self._policy),
+            "inspect",
+            "--raw",
+            "--retry-times",
+            "2",
+            *self._tls_args("tls-verify", ref),
+            *auth,
+            f"docker://{target}",
+        )
+        actual = "sha256:" + hashlib.sha256(raw).hexdigest()
+        if ref.digest and actual != ref.digest:
+            raise ImageError(
+                f"manifest digest mismatch for {image}: registry served {actual}, "
+                f"pinned {ref.digest}"
+            )
+        return actual
+
+    async def _copy_unpack(
+        self, pinned: str, layout: Path, tag: str, bundle: Path, auth_file: Path | None
+    ) -> None:
+        ref = parse_reference(pinned)
+        auth = ["--src-authfile", str(auth_file)] if auth_file else []
+        await self._run(
+            f"pulling {pinned}",
+            "skopeo",
+            "--policy",
+            str(self._policy),
+            "copy",
+            "--quiet",
+            "--retry-times",
+            "2",
+            *self._tls_args("src-tls-verify", ref),
+            *auth,
+            f"docker://{pinned}",
+            f"oci:{layout}:{tag}",
+        )
+        rootless = ["--rootless"] if os.geteuid() != 0 else []
+        await self._run(
+            f"unpacking {pinned}",
+            "umoci",
+            "unpack",
+            *rootless,
+            "--image",
+            f"{layout}:{tag}",
+            str(bundle),
+        )
+
+    async def _build(self, key: str, image: str, layer: str | None, auth_file: Path | None) -> None:
+        work = self._tmp / f"build-{key}-{uuid.uuid4().hex}"
+        work.mkdir(mode=0o700)
+        try:
+            layout = work / "oci"
+            bundle = work / "entry"
+            await self._copy_unpack(image, layout, "image", bundle, auth_file)
+            if layer is not None:
+                layer_bundle = work / "layer"
+                await self._copy_unpack(layer, layout, "layer", layer_bundle, auth_file)
+                await self._run(
+                    f"applying runner layer {layer}",
+                    "cp",
+                    "-a",
+                    "--",
+                    f"{layer_bundle}/rootfs/.",
+                    f"{bundle}/rootfs/",
+                )
+            size = await asyncio.to_thread(_tree_size, bundle / "rootfs")
+            info = {
+                "image": image,
+                "image_digest": parse_reference(image).digest,
+                "runner_layer": layer,
+                "layer_digest": parse_reference(layer).digest if layer else None,
+                "size_bytes": size,
+                "created": time.time(),
+            }
+            (bundle / _INFO).write_text(json.dumps(info, indent=1) + "\n")
+            # The rootfs loses every write bit; the entry dir itself stays owner-writable so that
+            # it can be renamed (publish/evict) without root.
+            await asyncio.to_thread(_make_readonly, bundle / "rootfs")
+            os.chmod(bundle / _INFO, 0o444)
+            try:
+                os.rename(bundle, self._images / key)  # atomic publish
+            except OSError:
+                # Another process published the same key first: use theirs.
+                if not (self._images / key / _INFO).exists():
+                    raise
+            else:
+                self.builds += 1
+        except ImageError:
+            raise
+        except OSError as exc:
+            raise ImageError(f"preparing {image} failed: {exc}") from exc
+        finally:
+            await asyncio.to_thread(_remove_tree, work)
