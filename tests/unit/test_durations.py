@@ -7,7 +7,14 @@ from impvm.api.durations import parse_duration, resolve_expire_after
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("0s", 0.0), ("90s", 90.0), ("1h30m", 5400.0), ("1.5h", 5400.0), ("250ms", 0.25), ("2h0m5s", 7205.0)],
+    [
+        ("0s", 0.0),
+        ("90s", 90.0),
+        ("1h30m", 5400.0),
+        ("1.5h", 5400.0),
+        ("250ms", 0.25),
+        ("2h0m5s", 7205.0),
+    ],
 )
 def test_parse(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds

@@ -45,6 +45,28 @@ def install_crds(client: Client, timeout: float = 60.0) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"CRD {name} not established")
             time.sleep(0.1)
+    # Established is not enough: the resource's storage initialises asynchronously and answers
+    # 429 "storage is (re)initializing" until it is ready.
+    from impvm.api.resources import (
+        ImpVMClassResource,
+        ImpVMResource,
+        ImpVMRunnerPoolResource,
+        ImpVMTemplateResource,
+    )
+
+    for res in (ImpVMClassResource, ImpVMTemplateResource, ImpVMRunnerPoolResource, ImpVMResource):
+        while True:
+            try:
+                list(
+                    client.list(res, namespace="*")
+                    if res is not ImpVMClassResource
+                    else client.list(res)
+                )
+                break
+            except ApiError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
 
 def service_account_kubeconfig(

@@ -357,11 +357,11 @@ class Stack:
 
 
 async def wait_for(
-    what: str, check: Any, timeout: float, stack: Stack | None = None, interval: float = 0.5
+    what: str, check: Any, seconds: float, stack: Stack | None = None, interval: float = 0.5
 ) -> Any:
     """Poll async ``check()`` until it returns a truthy value; raise ``TimeoutError`` naming
-    ``what`` after ``timeout`` seconds (and ``RuntimeError`` if a stack process died)."""
-    deadline = time.monotonic() + timeout
+    ``what`` after ``seconds`` (and ``RuntimeError`` if a stack process died)."""
+    deadline = time.monotonic() + seconds
     while True:
         if stack is not None:
             stack.check_processes()
@@ -369,5 +369,5 @@ async def wait_for(
         if got:
             return got
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+            raise TimeoutError(f"timed out after {seconds:.0f}s waiting for {what}")
         await asyncio.sleep(interval)

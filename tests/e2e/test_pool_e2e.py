@@ -1,0 +1,185 @@
+"""End to end on the embedded stack (issue: pool controller and node agent, "Done when"):
+the seed's minimal example on a real control plane, the GitHub stand-in, the operator and one
+agent (process runtime, bubblewrap) as real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightkube.core.exceptions import ApiError
+from lightkube.resources.core_v1 import Event, Secret
+
+from impvm.devstack.stack import NAMESPACE, RUNNER_GROUP, Stack, StackConfig, wait_for
+
+pytestmark = [pytest.mark.controlplane]
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    s = Stack(StackConfig(workdir=tmp_path / "stack", polling_interval_seconds=5))
+    try:
+        await s.start()
+        yield s
+    finally:
+        await s.stop()
+
+
+def live(vms: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [v for v in vms if not v["metadata"].get("deletionTimestamp")]
+
+
+class Recorder:
+    """Samples the stack while a test runs: VM counts and every secret value seen."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.max_vms = 0
+        self.jit_configs: set[str] = set()
+        self.session_tokens: set[str] = set()
+        self.runner_facts: dict[str, tuple[list[str], int]] = {}
+        self.vm_names: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _loop(self) -> None:
+        kube = self.stack.kube
+        assert kube is not None
+        while True:
+            try:
+                await self._sample(kube)
+            except ApiError:  # e.g. 429 while the API server warms up: sample again
+                pass
+            await asyncio.sleep(0.2)
+
+    async def _sample(self, kube: Any) -> None:
+        vms = await self.stack.vms()
+        self.vm_names |= {v["metadata"]["name"] for v in vms}
+        self.max_vms = max(self.max_vms, len(vms))
+        async for sec in kube.list(Secret, namespace=NAMESPACE):
+            data = sec.data or {}
+            if "jitconfig" in data:
+                self.jit_configs.add(base64.b64decode(data["jitconfig"]).decode())
+        for r in self.stack.runners():
+            self.session_tokens.add(r.session_token)
+            self.runner_facts[r.name] = (list(r.labels), r.group_id)
+
+    def __enter__(self) -> Recorder:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        if self._task.done():  # the sampler must not have died: its data would be incomplete
+            self._task.result()
+        self._task.cancel()
+
+
+async def pool_counts(stack: Stack) -> tuple[int, int, int]:
+    st = await stack.pool_status()
+    return st.get("idle", -1), st.get("busy", -1), st.get("total", -1)
+
+
+async def test_seed_example_runs_jobs_each_on_its_own_vm(stack: Stack) -> None:
+    with Recorder(stack) as rec:
+        # minIdle 1: one idle, registered runner
+        async def one_idle() -> bool:
+            runners = stack.runners()
+            return len(runners) == 1 and runners[0].status == "online" and not runners[0].busy
+
+        await wait_for("one idle registered runner", one_idle, 120, stack)
+        assert await wait_for("pool status idle=1", _pool_is(stack, 1, 0, 1), 30, stack)
+
+        # the JIT request carried the pool's labels and the resolved runner-group id
+        group = next(
+            g for g in stack.standin.state.runner_groups.values() if g.name == RUNNER_GROUP
+        )  # type: ignore[union-attr]
+        (runner,) = stack.runners()
+        assert "imp" in runner.labels and runner.group_id == group.id
+
+        job_ids = stack.queue_jobs(5, sleep=2.0)
+
+        async def all_done() -> bool:
+            jobs = [j for j in stack.jobs() if j.id in job_ids]
+            return all(j.status == "completed" for j in jobs)
+
+        await wait_for("5 jobs completed", all_done, 240, stack)
+        jobs = [j for j in stack.jobs() if j.id in job_ids]
+        assert all(j.conclusion == "success" for j in jobs), [(j.id, j.conclusion) for j in jobs]
+        runner_names = [j.runner_name for j in jobs]
+        assert len(set(runner_names)) == 5, runner_names  # each job on a different VM
+        assert all(n and n in rec.vm_names for n in runner_names), (runner_names, rec.vm_names)
+
+        # back to minIdle after the 30 s cooldown: 1 idle runner, 1 VM
+        await wait_for("pool back to 1 idle VM", _pool_is(stack, 1, 0, 1), 120, stack)
+
+        async def one_vm() -> bool:
+            return len(await stack.vms()) == 1 and len(stack.runners()) == 1
+
+        await wait_for("deleted VMs gone", one_vm, 60, stack)
+        assert rec.max_vms <= 5, rec.max_vms  # never more than maxConcurrent at once
+
+    # no registration left behind for any deleted VM
+    vm_names = {v["metadata"]["name"] for v in await stack.vms()}
+    assert {r.name for r in stack.runners()} <= vm_names
+
+    # the remaining VM's Secret is owned by it (controller) and goes with it
+    (vm,) = await stack.vms()
+    kube = stack.kube
+    assert kube is not None
+    sname = vm["spec"]["runnerConfigSecret"]
+    sec = await kube.get(Secret, sname, namespace=NAMESPACE)
+    (owner,) = sec.metadata.ownerReferences  # type: ignore[union-attr]
+    assert (owner.kind, owner.name, owner.uid, owner.controller) == (
+        "ImpVM",
+        vm["metadata"]["name"],
+        vm["metadata"]["uid"],
+        True,
+    )
+
+    # secrets appear nowhere but in the VM's Secret (and the guest)
+    assert rec.jit_configs and rec.session_tokens
+    secrets = set(rec.jit_configs) | set(rec.session_tokens)
+    secrets |= set(stack.standin.state.tokens)  # type: ignore[union-attr]
+    key_lines = [ln for ln in stack.private_key_pem.splitlines() if len(ln) > 40]
+    haystack = [stack.logs()]
+    haystack += [repr(v) for v in await stack.vms()]
+    haystack += [repr(e.to_dict()) async for e in kube.list(Event, namespace=NAMESPACE)]
+    haystack.append(repr(await stack.pool_status()))
+    text = "\n".join(haystack)
+    for s in [*secrets, *key_lines]:
+        assert s not in text
+
+
+def _pool_is(stack: Stack, idle: int, busy: int, total: int) -> Any:
+    async def check() -> bool:
+        return await pool_counts(stack) == (idle, busy, total)
+
+    return check
+
+
+async def test_deleting_a_vm_collects_its_secret(stack: Stack) -> None:
+    """The JIT Secret is owned by its VM and garbage-collected with it (real GC)."""
+    kube = stack.kube
+    assert kube is not None
+
+    async def vm_with_secret() -> dict[str, Any] | None:
+        for v in await stack.vms():
+            if v["spec"].get("runnerConfigSecret"):
+                return v
+        return None
+
+    vm = await wait_for("a VM with its Secret", vm_with_secret, 120, stack)
+    sname = vm["spec"]["runnerConfigSecret"]
+    from impvm.api.resources import ImpVMResource
+
+    await kube.delete(ImpVMResource, vm["metadata"]["name"], namespace=NAMESPACE)
+
+    async def secret_gone() -> bool:
+        names = [s.metadata.name async for s in kube.list(Secret, namespace=NAMESPACE)]
+        return sname not in names
+
+    await wait_for("the VM's Secret collected", secret_gone, 60, stack)
