@@ -140,12 +140,17 @@ def dev_up(
     workdir: Annotated[
         str | None, typer.Option(help="Directory for state (default: a temporary directory).")
     ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds --until-done waits.")] = 900.0,
 ) -> None:
-    """Start the embedded stack: control plane with CRDs installed (more arrives with later
-    issues)."""
+    """Start the embedded stack: control plane + CRDs, GitHub stand-in, registry with test
+    images, operator, one agent, and the seed's minimal example; show VMs and runners live."""
     from impvm.devstack.up import run
 
-    raise typer.Exit(code=run(runtime=runtime, jobs=jobs, until_done=until_done, workdir=workdir))
+    raise typer.Exit(
+        code=run(
+            runtime=runtime, jobs=jobs, until_done=until_done, workdir=workdir, timeout=timeout
+        )
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -50,6 +50,8 @@ class PoolMemory:
     github_backoff: Backoff = field(default_factory=Backoff)
     last_poll: float = 0.0
     queued_jobs: int = 0
+    #: runners busy at the last poll: when this changes a queued job was taken, so re-poll
+    busy_at_poll: frozenset[str] = frozenset()
     last_error: str = ""
 
 

@@ -315,8 +315,13 @@ class PoolReconciler:
         ):
             return 0
         now = self.ctx.clock()
-        if now - mem.last_poll < polling.interval_seconds and mem.last_poll:
+        busy = frozenset(r.name for r in obs.runners or () if r.busy)
+        fresh = mem.last_poll and now - mem.last_poll < polling.interval_seconds
+        # a runner that became busy took a queued job: the last poll's count is stale (ETags
+        # make the re-read free when nothing else changed)
+        if fresh and busy <= mem.busy_at_poll:
             return mem.queued_jobs
+        mem.busy_at_poll = busy
         try:
             mem.queued_jobs = await poll_queued_jobs(obs.github, obs.scope, obs.pool.spec.labels)
         except GitHubError as e:
