@@ -47,6 +47,7 @@ RUNNER_GROUP = "omni-runner"
 CREDENTIALS_SECRET = "github-runner-app"
 POOL = "ci-pool"
 NAMESPACE = "default"
+WEBHOOK_SECRET = "github-webhook"
 
 #: Permissions the stand-in's installation grants (what impvm needs, nothing more).
 INSTALLATION_PERMISSIONS = {
@@ -105,6 +106,13 @@ spec:
 """
 
 
+def rsa_free_secret() -> str:
+    """A random webhook secret (URL-safe, 32 bytes of entropy)."""
+    import secrets
+
+    return secrets.token_urlsafe(32)
+
+
 def seed_example(images: TestImages) -> str:
     """The seed's minimal example (seed 001) with the two image placeholders replaced."""
     return SEED_EXAMPLE.replace("<immutable-runner-base-image>", images.base).replace(
@@ -122,6 +130,10 @@ class StackConfig:
     agent_memory_mib: int = 32768
     polling_interval_seconds: int | None = None
     apply_example: bool = True
+    #: scaling.mode of the example pool: the seed's polling, or webhook/hybrid (the stand-in then
+    #: delivers signed workflow_job webhooks to the operator, losing ``webhook_drop_rate``)
+    scaling_mode: str = "polling"
+    webhook_drop_rate: float = 0.0
 
 
 @dataclass
@@ -134,7 +146,8 @@ class Stack:
     registry: LocalRegistry | None = None
     images: TestImages | None = None
     kube: AsyncClient | None = None
-    private_key_pem: str = ""
+    private_key_pem: str = field(default="", repr=False)
+    webhook_secret: str = field(default="", repr=False)
     operator_http_port: int = 0
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -167,6 +180,8 @@ class Stack:
         await self._write_credentials()
         self.start_agent("node-1")
         self.start_operator()
+        if self.config.scaling_mode in ("webhook", "hybrid"):
+            await self._setup_webhooks()
         if self.config.apply_example:
             await self.apply_example()
         return self
@@ -209,16 +224,36 @@ class Stack:
             )
         )
 
+    async def _setup_webhooks(self, namespace: str = NAMESPACE) -> None:
+        assert self.kube is not None and self.standin is not None
+        self.webhook_secret = rsa_free_secret()
+        await self.kube.create(
+            Secret(
+                metadata=ObjectMeta(name=WEBHOOK_SECRET, namespace=namespace),
+                type="Opaque",
+                data={"webhook_secret": base64.b64encode(self.webhook_secret.encode()).decode()},
+            )
+        )
+        self.standin.add_webhook(
+            f"http://127.0.0.1:{self.operator_http_port}/webhooks/github",
+            self.webhook_secret,
+            self.config.webhook_drop_rate,
+        )
+
     async def apply_example(self) -> None:
         """Apply the seed's minimal example (three documents) with the pushed digests."""
         assert self.kube is not None and self.images is not None
         from lightkube.codecs import load_all_yaml
 
         docs = list(yaml.safe_load_all(seed_example(self.images)))
+        scaling = docs[2]["spec"]["scaling"]
         if self.config.polling_interval_seconds is not None:
-            docs[2]["spec"]["scaling"]["polling"]["intervalSeconds"] = (
-                self.config.polling_interval_seconds
-            )
+            scaling["polling"]["intervalSeconds"] = self.config.polling_interval_seconds
+        scaling["mode"] = self.config.scaling_mode
+        if self.config.scaling_mode in ("webhook", "hybrid"):
+            scaling["webhook"] = {"secretRef": {"name": WEBHOOK_SECRET}}
+        if self.config.scaling_mode == "webhook":
+            del scaling["polling"]
         for obj in load_all_yaml(yaml.safe_dump_all(docs)):
             await self.kube.apply(obj, force=True)
 
@@ -304,7 +339,7 @@ class Stack:
         """Queue ``n`` jobs in the stand-in needing ``labels`` (default: self-hosted, imp)."""
         assert self.standin is not None
         return [
-            self.standin.state.queue_job(
+            self.standin.queue_job(
                 REPO, labels or ["self-hosted", "imp"], name=f"job-{i}", sleep_seconds=sleep
             ).id
             for i in range(n)

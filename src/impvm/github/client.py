@@ -257,6 +257,8 @@ class _Shared:
         self.page_size = page_size
         self.etags: OrderedDict[Hashable, tuple[str, Any]] = OrderedDict()
         self.etag_cache_size = etag_cache_size
+        #: last rate-limit headers seen per resource (``x-ratelimit-resource``)
+        self.budget: dict[str, RateLimitBucket] = {}
 
     def secrets(self) -> list[str]:
         out = self.tokens.secrets()
@@ -328,6 +330,24 @@ class GitHubClient:
     def api_url(self) -> str:
         """The REST API base URL in use."""
         return self._shared.api_url
+
+    def _record_budget(self, resource: str, headers: Any) -> None:
+        def num(name: str) -> int:
+            raw = headers.get(name, "")
+            return int(raw) if raw.isdigit() else 0
+
+        self._shared.budget[resource] = RateLimitBucket(
+            limit=num("x-ratelimit-limit"),
+            remaining=num("x-ratelimit-remaining"),
+            used=num("x-ratelimit-used"),
+            reset=num("x-ratelimit-reset"),
+        )
+
+    def rate_budget(self, resource: str = "core") -> RateLimitBucket | None:
+        """The rate-limit budget of ``resource`` as the last response reported it (headers
+        ``x-ratelimit-*``; ``reset`` in epoch seconds), or None before any response. Free: no
+        request is made (source: REST "Rate limits for the REST API", checking your status)."""
+        return self._shared.budget.get(resource)
 
     def with_permissions(self, permissions: Permissions) -> GitHubClient:
         """A view of this client whose calls all use a token restricted to ``permissions``
@@ -494,6 +514,7 @@ class GitHubClient:
                 if remaining is not None and remaining.isdigit():
                     resource = resp.headers.get("x-ratelimit-resource", "core")
                     metrics.RATE_LIMIT_REMAINING.labels(resource=resource).set(int(remaining))
+                    self._record_budget(resource, resp.headers)
                 if resp.status_code < 400:
                     return resp
                 wait = self._rate_limit_wait(resp, limited)

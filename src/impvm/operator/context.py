@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from lightkube import AsyncClient
 
 from impvm.github import GitHubClient, RetryPolicy
+from impvm.scaling.jobtable import JobTable, PoolScope
 
 PoolKey = tuple[str, str]  # (namespace, name)
 
@@ -52,6 +53,9 @@ class PoolMemory:
     queued_jobs: int = 0
     #: runners busy at the last poll: when this changes a queued job was taken, so re-poll
     busy_at_poll: frozenset[str] = frozenset()
+    #: the pool as job routing sees it, and its webhook secret (webhook/hybrid modes)
+    scope: PoolScope | None = None
+    webhook_secret: str | None = field(default=None, repr=False)
     last_error: str = ""
 
 
@@ -67,6 +71,9 @@ class OperatorSettings:
     github_retry: RetryPolicy = field(
         default_factory=lambda: RetryPolicy(max_transient_retries=2, base_delay=0.5, max_delay=5.0)
     )
+    #: below this share of the rate-limit budget, polling (non-essential) pauses; JIT minting
+    #: (essential) goes on
+    poll_budget_floor: float = 0.2
 
 
 @dataclass
@@ -88,6 +95,7 @@ class OperatorContext:
         self.settings = settings or OperatorSettings()
         self.clock = clock
         self.pools: dict[PoolKey, PoolMemory] = {}
+        self.jobs = JobTable()
         self._github: dict[tuple[str, str], _ClientEntry] = {}
 
     def pool(self, key: PoolKey) -> PoolMemory:
@@ -96,6 +104,14 @@ class OperatorContext:
         if mem is None:
             mem = self.pools[key] = PoolMemory()
         return mem
+
+    def scopes(self) -> list[PoolScope]:
+        """Every known pool as job routing sees it."""
+        return [m.scope for m in self.pools.values() if m.scope is not None]
+
+    def forget(self, key: PoolKey) -> None:
+        """Drop a deleted pool (its jobs route elsewhere or count as unmatched)."""
+        self.pools.pop(key, None)
 
     def wake(self, key: PoolKey) -> None:
         """Make the pool's reconcile loop run now rather than at its next tick."""

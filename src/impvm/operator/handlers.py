@@ -18,6 +18,7 @@ import kopf
 from impvm.api.models import GROUP, POOL_LABEL, VERSION
 from impvm.operator.context import OperatorContext
 from impvm.operator.pool import PoolReconciler
+from impvm.operator.reaper import reaper_enabled, reaper_loop
 from impvm.operator.teardown import deregister_pool_runners
 
 log = logging.getLogger("impvm.operator")
@@ -88,3 +89,10 @@ async def pool_deleted(name: str, namespace: str | None, body: Any, memo: Any, *
     ctx.pools.pop((namespace or "", name), None)
     if busy:
         raise kopf.TemporaryError(f"{busy} runner(s) still busy; retrying", delay=10)
+
+
+@kopf.daemon(GROUP, VERSION, "impvmrunnerpools", cancellation_timeout=2.0, when=reaper_enabled)
+async def reaper_daemon(name: str, namespace: str | None, memo: Any, **_: Any) -> None:
+    """Reaper passes (issue 7) for one pool with ``spec.reaper.enabled``: one loop per pool, so
+    passes of a pool never run concurrently; stopped by kopf when the reaper is disabled."""
+    await reaper_loop(_ctx(memo), (namespace or "", name))

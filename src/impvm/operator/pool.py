@@ -31,6 +31,7 @@ from lightkube.core.exceptions import ApiError
 from lightkube.models.meta_v1 import ObjectMeta, OwnerReference
 from lightkube.resources.core_v1 import Secret
 from lightkube.types import PatchType
+from prometheus_client import Counter
 
 from impvm.api.models import (
     API_VERSION,
@@ -66,7 +67,7 @@ from impvm.github.errors import (
 )
 from impvm.operator import conditions as cond
 from impvm.operator.context import OperatorContext, PoolKey
-from impvm.operator.demand import poll_queued_jobs
+from impvm.operator.demand import poll_jobs
 from impvm.scaling import (
     PoolLimits,
     PoolSnapshot,
@@ -76,8 +77,14 @@ from impvm.scaling import (
     decide,
     parse_demand,
 )
+from impvm.scaling.jobtable import PoolScope
+from impvm.scaling.labels import PoolKey as LabelPoolKey
 
 log = logging.getLogger("impvm.operator.pool")
+
+POLL_CALLS = Counter("impvm_poll_api_calls_total", "GitHub requests made by job polling.")
+#: Key of the webhook secret in the Secret named by scaling.webhook.secretRef (DESIGN.md).
+WEBHOOK_SECRET_KEY = "webhook_secret"
 
 FIELD_MANAGER = "impvm-operator"
 
@@ -120,6 +127,8 @@ class Observed:
     github_error: GitHubError | None = None
     #: (reason, message) of a failure this pass that makes the pool not Ready
     failure: tuple[str, str] | None = None
+    #: status.lastPoll when this pass polled GitHub
+    last_poll: dict[str, Any] | None = None
 
     @property
     def pool_name(self) -> str:
@@ -158,6 +167,7 @@ class PoolReconciler:
             await self._write_status(key, obs, conditions, None)
             return self.ctx.settings.template_missing_requeue_seconds
 
+        await self._register(key, obs)
         # 2. GitHub: credentials, then runners (before VMs: see impvm.scaling ordering rule)
         await self._observe_github(key, obs, conditions)
         # 3. the pool's VMs and their Secrets
@@ -169,6 +179,7 @@ class PoolReconciler:
         plan = decide(snapshot)
         created = await self._act(key, obs, plan, conditions)
         await self._sync_vm_runner_status(obs)
+        await self._sync_vm_job_status(obs)
         await self._write_status(key, obs, conditions, plan, created)
         busy = plan.create > created or plan.counts.starting > 0 or bool(plan.mint_secrets)
         s = self.ctx.settings
@@ -299,35 +310,98 @@ class PoolReconciler:
             if s.metadata and s.metadata.name
         }
 
+    async def _register(self, key: PoolKey, obs: Observed) -> None:
+        """Tell job routing and the webhook receiver about this pool (labels, scope, webhook
+        Secret). A missing webhook Secret means deliveries for this pool are refused (401)."""
+        mem = self.ctx.pool(key)
+        spec = obs.pool.spec
+        mem.scope = PoolScope(
+            key=LabelPoolKey(namespace=key[0], name=key[1], labels=tuple(spec.labels)),
+            org=spec.platform.scope.org,
+            repo=spec.platform.scope.repo,
+        )
+        scaling = spec.scaling
+        ref = scaling.webhook.secret_ref if scaling and scaling.webhook else None
+        mem.webhook_secret = None
+        if ref is None or scaling is None or scaling.mode not in ("webhook", "hybrid"):
+            return
+        try:
+            sec = await self.ctx.kube.get(Secret, ref.name, namespace=key[0])
+        except ApiError as e:
+            if e.status.code != 404:
+                raise
+            self._event(obs, "WebhookSecretMissing", f"Secret {ref.name!r} not found", True)
+            return
+        raw = (sec.data or {}).get(WEBHOOK_SECRET_KEY)
+        if raw:
+            mem.webhook_secret = base64.b64decode(raw).decode()
+
     async def _observe_demand(
         self, key: PoolKey, obs: Observed, conditions: cond.ConditionSet
     ) -> int:
+        """Queued jobs routed to this pool, from the job table (fed by webhooks and polls).
+
+        Polls in polling/hybrid mode every ``intervalSeconds`` (sooner when a runner became busy:
+        a queued job was taken), and once at start in webhook mode so an operator restart loses
+        no job. Polling is non-essential: it pauses while the rate-limit budget is low."""
         mem = self.ctx.pool(key)
         scaling = obs.pool.spec.scaling
         polling = scaling.polling if scaling else None
-        if not (
-            scaling
-            and scaling.mode in ("polling", "hybrid")
-            and polling
-            and polling.enabled
-            and obs.github
-            and obs.scope
-        ):
+        mode = scaling.mode if scaling else "manual"
+        if mode == "manual":
             return 0
+        periodic = mode in ("polling", "hybrid") and polling is not None and polling.enabled
+        interval = polling.interval_seconds if polling else 0
         now = self.ctx.clock()
         busy = frozenset(r.name for r in obs.runners or () if r.busy)
-        fresh = mem.last_poll and now - mem.last_poll < polling.interval_seconds
-        # a runner that became busy took a queued job: the last poll's count is stale (ETags
-        # make the re-read free when nothing else changed)
-        if fresh and busy <= mem.busy_at_poll:
-            return mem.queued_jobs
-        mem.busy_at_poll = busy
+        due = not mem.last_poll or (
+            periodic and (now - mem.last_poll >= interval or not busy <= mem.busy_at_poll)
+        )
+        if due and obs.github is not None and obs.scope is not None:
+            if self._budget_low(obs, conditions):
+                mem.last_poll = now  # try again next interval
+            else:
+                mem.busy_at_poll = busy
+                await self._poll(key, obs, conditions)
+                mem.last_poll = now
+        assert mem.scope is not None
+        return self.ctx.jobs.pending(mem.scope.key, self.ctx.scopes())
+
+    def _budget_low(self, obs: Observed, conditions: cond.ConditionSet) -> bool:
+        assert obs.github is not None
+        b = obs.github.rate_budget()
+        floor = self.ctx.settings.poll_budget_floor
+        if b is None or not b.limit or b.remaining >= floor * b.limit:
+            return False
+        reset = dt.datetime.fromtimestamp(b.reset, dt.UTC)
+        conditions.set(
+            "RateLimited",
+            True,
+            "BudgetLow",
+            f"{b.remaining}/{b.limit} requests left until {_ts(reset)}; polling paused, "
+            "JIT minting continues",
+        )
+        return True
+
+    async def _poll(self, key: PoolKey, obs: Observed, conditions: cond.ConditionSet) -> None:
+        assert obs.github is not None and obs.scope is not None
         try:
-            mem.queued_jobs = await poll_queued_jobs(obs.github, obs.scope, obs.pool.spec.labels)
+            result = await poll_jobs(obs.github, obs.scope)
         except GitHubError as e:
             self._github_failed(key, obs, conditions, e)
-        mem.last_poll = now
-        return mem.queued_jobs
+            obs.last_poll = {"time": _ts(_now()), "error": f"{type(e).__name__}: {e}"[:500]}
+            return
+        for job in result.jobs:
+            self.ctx.jobs.apply(job)
+        dropped = self.ctx.jobs.sweep(result.repositories, result.queued_ids, result.started_at)
+        if dropped:
+            log.info("pool %s/%s: dropped %d stale queued job(s)", *key, len(dropped))
+        POLL_CALLS.inc(result.api_calls)
+        obs.last_poll = {
+            "time": _ts(_now()),
+            "queuedJobs": len(result.queued_ids),
+            "apiCalls": result.api_calls,
+        }
 
     def _snapshot(self, obs: Observed, queued: int) -> PoolSnapshot:
         scaling = obs.pool.spec.scaling
@@ -595,6 +669,29 @@ class PoolReconciler:
                     if e.status.code != 404:
                         raise
 
+    async def _sync_vm_job_status(self, obs: Observed) -> None:
+        """Record on each VM the job its runner took (``in_progress`` carries ``runner_name``):
+        job id, run id, repository, startedAt — what the reaper reads (ARC: jobId,
+        workflowRunId, jobRepositoryName)."""
+        names = {o["metadata"]["name"]: o for o in obs.vms}
+        for name, job in self.ctx.jobs.running_on(names).items():
+            o = names[name]
+            cur = (o.get("status") or {}).get("job") or {}
+            if cur.get("id") == job.id or o["metadata"].get("deletionTimestamp"):
+                continue
+            want: dict[str, Any] = {
+                "id": job.id,
+                "workflowRunId": job.run_id,
+                "repository": job.repository,
+            }
+            if job.started_at:
+                want["startedAt"] = _ts(job.started_at)
+            try:
+                await self._patch_vm_status(o["metadata"]["namespace"], name, {"job": want})
+            except ApiError as e:
+                if e.status.code != 404:
+                    raise
+
     async def _patch_vm_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
         await self.ctx.kube.patch(
             ImpVMResource.Status,
@@ -627,6 +724,8 @@ class PoolReconciler:
             )
             if created:
                 status["lastScaleUpTime"] = _ts(_now())
+            if obs.last_poll is not None:
+                status["lastPoll"] = obs.last_poll
             if obs.failure is not None:
                 conditions.set("Ready", False, *obs.failure)
             elif obs.github_error is not None:

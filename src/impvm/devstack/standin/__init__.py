@@ -21,8 +21,8 @@ import asyncio
 
 from aiohttp import web
 
-from impvm.devstack.standin.server import build_app
-from impvm.devstack.standin.state import StandInState
+from impvm.devstack.standin.server import build_app, emit_workflow_job
+from impvm.devstack.standin.state import JobRec, StandInState, WebhookTarget
 
 __all__ = ["StandIn", "StandInState", "serve"]
 
@@ -36,6 +36,7 @@ class StandIn:
         self.port = port
         self.state = StandInState()
         self._runner: web.AppRunner | None = None
+        self._app: web.Application | None = None
 
     @property
     def url(self) -> str:
@@ -46,7 +47,8 @@ class StandIn:
 
     async def start(self) -> None:
         """Bind and serve. Raises ``OSError`` if the port is taken."""
-        runner = web.AppRunner(build_app(self.state), access_log=None)
+        self._app = build_app(self.state)
+        runner = web.AppRunner(self._app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
         await site.start()
@@ -54,6 +56,20 @@ class StandIn:
             self.port = int(runner.addresses[0][1])
         self._runner = runner
         self.state.base_url = self.url
+
+    def queue_job(
+        self, repo: str, labels: list[str], *, name: str = "build", sleep_seconds: float = 0.0
+    ) -> JobRec:
+        """Queue a job (like ``POST /_standin/jobs``) and deliver its ``queued`` webhook to
+        every registered target. Call from the stand-in's event loop."""
+        job = self.state.queue_job(repo, labels, name=name, sleep_seconds=sleep_seconds)
+        if self._app is not None:
+            emit_workflow_job(self._app, "queued", job)
+        return job
+
+    def add_webhook(self, url: str, secret: str, drop_rate: float = 0.0) -> None:
+        """Deliver signed ``workflow_job`` webhooks to ``url`` (losing ``drop_rate`` of them)."""
+        self.state.webhooks.append(WebhookTarget(url, secret, drop_rate))
 
     async def stop(self) -> None:
         """Stop serving. Idempotent."""

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -597,6 +598,11 @@ def emit_workflow_job(app: web.Application, action: str, job: JobRec) -> None:
     payload = state.workflow_job_payload(action, job, _installation_for(state, job.repo))
     body = json.dumps(payload).encode()
     for target in list(state.webhooks):
+        if target.drop_rate and random.random() < target.drop_rate:
+            state.deliveries.append(
+                Delivery(str(uuid.uuid4()), "workflow_job", action, None, error="dropped")
+            )
+            continue
         task = asyncio.get_running_loop().create_task(_deliver(state, target, action, body))
         app[TASKS_KEY].add(task)
         task.add_done_callback(app[TASKS_KEY].discard)
@@ -793,7 +799,9 @@ async def control_requests_clear(request: web.Request) -> web.Response:
 
 async def control_webhook(request: web.Request) -> web.Response:
     body = await request.json()
-    _state(request).webhooks.append(WebhookTarget(body["url"], body["secret"]))
+    _state(request).webhooks.append(
+        WebhookTarget(body["url"], body["secret"], float(body.get("drop_rate", 0.0)))
+    )
     return web.json_response({"ok": True}, status=201)
 
 

@@ -188,6 +188,8 @@ class Delivery:
 class WebhookTarget:
     url: str
     secret: str
+    #: fraction of deliveries silently lost (tests of webhook loss), 0..1
+    drop_rate: float = 0.0
 
 
 @dataclass

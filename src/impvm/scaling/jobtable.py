@@ -1,0 +1,160 @@
+"""The job table: what the operator knows of workflow jobs, fed by webhooks and polling.
+
+Pure and in-memory (no I/O, time is an argument): after a restart it is rebuilt from GitHub (a
+poll) and from ``ImpVM.status.job`` (DESIGN.md: in-memory state is a cache).
+
+Rules (issue 6):
+
+- a job's state only moves forward: queued/waiting → in_progress → completed; a delivery that
+  would move it back (GitHub does not guarantee order) changes nothing;
+- deliveries are deduplicated by ``X-GitHub-Delivery`` (bounded memory);
+- a job belongs to at most one pool: the pools whose scope covers its repository and whose labels
+  it matches, then :func:`impvm.scaling.labels.choose_pool` (tightest fit, deterministic);
+- pending demand of a pool = its queued jobs not yet assigned a runner;
+- completed jobs are dropped (a tombstone remembers them so a late delivery cannot resurrect
+  them); a queued job that polling shows completed or gone is dropped (stale-job sweep).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+
+from impvm.scaling.labels import PoolKey, choose_pool
+
+#: Rank of each GitHub job status; ``waiting`` (environment protection) is still queued for us.
+_RANK = {"queued": 0, "waiting": 0, "in_progress": 1, "completed": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolScope:
+    """A pool as job routing needs it: key (with labels) and its scope (org or owner/name)."""
+
+    key: PoolKey
+    org: str | None = None
+    repo: str | None = None
+
+    def covers(self, repository: str) -> bool:
+        """Whether a job of ``repository`` (``owner/name``) may run on this pool's runners."""
+        if self.repo is not None:
+            return self.repo.casefold() == repository.casefold()
+        owner = repository.split("/", 1)[0]
+        return self.org is not None and self.org.casefold() == owner.casefold()
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One workflow job. ``status``: queued, waiting, in_progress (``runner_name`` set once a
+    runner took it) or completed."""
+
+    id: int
+    run_id: int
+    repository: str
+    labels: tuple[str, ...]
+    status: str
+    seen_at: datetime
+    runner_name: str | None = None
+    started_at: datetime | None = None
+    completed_at: datetime | None = None
+
+    @property
+    def queued(self) -> bool:
+        return _RANK.get(self.status, 0) == 0
+
+
+def route(job: Job, pools: Sequence[PoolScope]) -> PoolKey | None:
+    """The pool ``job`` belongs to (None: no pool matches; counted as unmatched)."""
+    candidates = [p.key for p in pools if p.covers(job.repository)]
+    return choose_pool(job.labels, candidates)
+
+
+@dataclass
+class JobTable:
+    """Jobs by id, plus bounded memories of seen deliveries and completed jobs."""
+
+    max_remembered: int = 10000
+    jobs: dict[int, Job] = field(default_factory=dict)
+    _deliveries: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    _completed: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+    def seen_delivery(self, delivery_id: str | None) -> bool:
+        """Record a delivery id; True when it was seen before (a redelivery: ignore it)."""
+        if not delivery_id:
+            return False
+        if delivery_id in self._deliveries:
+            return True
+        self._remember(self._deliveries, delivery_id)
+        return False
+
+    def _remember(self, memory: OrderedDict[str, None] | OrderedDict[int, None], k: object) -> None:
+        memory[k] = None  # type: ignore[index]
+        while len(memory) > self.max_remembered:
+            memory.popitem(last=False)
+
+    def apply(self, job: Job) -> Job | None:
+        """Apply one observation of a job (from a webhook or a poll). Returns the job as now
+        recorded, or None when the observation changed nothing (stale, duplicate, or a job
+        already completed)."""
+        if job.id in self._completed:
+            return None
+        old = self.jobs.get(job.id)
+        rank = _RANK.get(job.status)
+        if rank is None:
+            return None
+        if old is not None:
+            old_rank = _RANK[old.status]
+            if rank < old_rank or (rank == old_rank and job.runner_name in (None, old.runner_name)):
+                return None
+            job = replace(
+                job,
+                seen_at=old.seen_at,
+                labels=job.labels or old.labels,
+                runner_name=job.runner_name or old.runner_name,
+                started_at=job.started_at or old.started_at,
+            )
+        if rank == 2:
+            self.jobs.pop(job.id, None)
+            self._remember(self._completed, job.id)
+            return job
+        self.jobs[job.id] = job
+        return job
+
+    def pending(self, pool: PoolKey, pools: Sequence[PoolScope]) -> int:
+        """Queued jobs routed to ``pool`` and not yet assigned a runner."""
+        return sum(1 for j in self.jobs.values() if j.queued and route(j, pools) == pool)
+
+    def unmatched(self, pools: Sequence[PoolScope]) -> list[Job]:
+        """Queued jobs no pool matches."""
+        return [j for j in self.jobs.values() if j.queued and route(j, pools) is None]
+
+    def running_on(self, runner_names: Iterable[str]) -> dict[str, Job]:
+        """In-progress jobs by runner name, for the given runners."""
+        names = set(runner_names)
+        return {
+            j.runner_name: j
+            for j in self.jobs.values()
+            if j.status == "in_progress" and j.runner_name in names
+        }
+
+    def sweep(
+        self, repositories: Iterable[str], still_queued: Iterable[int], before: datetime
+    ) -> list[int]:
+        """Stale-job sweep after a complete poll of ``repositories``: drop queued jobs of those
+        repositories that the poll did not see queued, if they were recorded before the poll
+        started (``before``; a job queued by a webhook during the poll is kept). Returns the ids
+        dropped."""
+        repos = {r.casefold() for r in repositories}
+        keep = set(still_queued)
+        dropped = [
+            j.id
+            for j in self.jobs.values()
+            if j.queued
+            and j.repository.casefold() in repos
+            and j.id not in keep
+            and j.seen_at < before
+        ]
+        for i in dropped:
+            del self.jobs[i]
+        return dropped
