@@ -18,6 +18,7 @@ class ConditionSet:
     def __init__(self, items: Iterable[dict[str, Any]], generation: int) -> None:
         self.generation = generation
         self._items: dict[str, dict[str, Any]] = {c["type"]: dict(c) for c in items}
+        self.touched: set[str] = set()
 
     @classmethod
     def from_status(cls, status: dict[str, Any] | None, generation: int) -> ConditionSet:
@@ -28,6 +29,7 @@ class ConditionSet:
         """Set one condition. Returns True when its status changed (a transition worth an
         Event); lastTransitionTime moves only then."""
         value = "True" if status else "False"
+        self.touched.add(type_)
         old = self._items.get(type_)
         changed = old is None or old.get("status") != value
         self._items[type_] = {
@@ -49,6 +51,14 @@ class ConditionSet:
         """Whether the condition currently has one of ``reasons``."""
         c = self._items.get(type_)
         return bool(c and c.get("reason") in set(reasons))
+
+    def merged_into(self, current: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``current`` conditions (as stored now, possibly written by another controller since
+        this set was read) with the types this set touched replaced by ours."""
+        out = {c["type"]: c for c in current}
+        for t in self.touched:
+            out[t] = self._items[t]
+        return [out[k] for k in sorted(out)]
 
     def as_list(self) -> list[dict[str, Any]]:
         """The conditions, sorted by type (stable output for merge patches)."""

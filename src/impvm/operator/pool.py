@@ -281,12 +281,8 @@ class PoolReconciler:
                 f"{msg}; resets {_ts(reset)}",
             )
         elif isinstance(err, InstallationUnavailable):
-            changed = conditions.set(
-                "GitHubUnavailable",
-                True,
-                "InstallationUnavailable",
-                f"the GitHub App installation is unavailable ({err.reason}): {msg}",
-            )
+            msg = f"the GitHub App installation is unavailable ({err.reason}): {msg}"
+            changed = conditions.set("GitHubUnavailable", True, "InstallationUnavailable", msg)
         elif isinstance(err, PermissionNotGranted):
             changed = conditions.set("CredentialsInvalid", True, reason, msg)
         else:
@@ -467,8 +463,13 @@ class PoolReconciler:
                     log.warning("pool %s/%s: could not remove registration: %s", *key, e)
 
         mem = self.ctx.pool(key)
-        if not mem.github_backoff.ready(self.ctx.clock()):
-            return 0  # GitHub failed recently: neither mint nor create until the backoff ends
+        now = self.ctx.clock()
+        if not mem.github_backoff.ready(now):
+            # GitHub failed recently: neither mint nor create until the backoff ends
+            if plan.mint_secrets or plan.create:
+                wait = mem.github_backoff.not_before - now
+                obs.failure = ("GitHubBackoff", f"{mem.last_error}; retry in {wait:.0f}s")
+            return 0
         for m in plan.mint_secrets:
             vm = next((o for o in obs.vms if o["metadata"]["name"] == m.name), None)
             if vm is None or not await self._mint(key, obs, vm, m.stale_runner_id, conditions):
@@ -555,6 +556,8 @@ class PoolReconciler:
                 outcome = await obs.github.delete_runner(obs.scope, stale_runner_id)
                 if outcome is DeleteOutcome.BUSY:
                     return False
+                if obs.runners is not None:  # else this pass's status sync records the old id
+                    obs.runners = [r for r in obs.runners if r.id != stale_runner_id]
             if obs.scope.org is not None:
                 group = await obs.github.runner_group_id(obs.scope.org, platform.runner_group)
             else:
@@ -594,9 +597,6 @@ class PoolReconciler:
                 ).decode()
             },
         )
-        await self._patch_vm_status(
-            ns, vm_name, {"runner": {"id": jit.runner_id, "name": jit.runner_name}}
-        )
         try:
             await self.ctx.kube.create(secret)
         except ApiError as e:
@@ -607,6 +607,10 @@ class PoolReconciler:
                 return False
         obs.secrets.add(sname)
         await self._record_secret(ns, vm_name, sname)
+        # Last: a VM with a runner id but no Secret is never minted again (impvm.scaling).
+        await self._patch_vm_status(
+            ns, vm_name, {"runner": {"id": jit.runner_id, "name": jit.runner_name}}
+        )
         return True
 
     async def _record_secret(self, ns: str, vm_name: str, sname: str) -> None:
@@ -740,18 +744,32 @@ class PoolReconciler:
                     f"{c.idle} idle, {c.busy} busy, {c.starting + created} starting; "
                     f"desired {c.desired}",
                 )
-        status["conditions"] = conditions.as_list()
-        try:
-            await self.ctx.kube.patch(
-                ImpVMRunnerPoolResource.Status,
-                key[1],
-                {"status": status},
-                namespace=key[0],
-                patch_type=PatchType.MERGE,
-            )
-        except ApiError as e:
-            if e.status.code != 404:
-                raise
+        # Other writers (the reaper) own other condition types: merge ours into what is stored
+        # now, guarded by resourceVersion, and retry on a conflict.
+        for _ in range(5):
+            try:
+                cur = (
+                    await self.ctx.kube.get(ImpVMRunnerPoolResource, key[1], namespace=key[0])
+                ).to_dict()
+                status["conditions"] = conditions.merged_into(
+                    (cur.get("status") or {}).get("conditions") or []
+                )
+                await self.ctx.kube.patch(
+                    ImpVMRunnerPoolResource.Status,
+                    key[1],
+                    {
+                        "metadata": {"resourceVersion": cur["metadata"]["resourceVersion"]},
+                        "status": status,
+                    },
+                    namespace=key[0],
+                    patch_type=PatchType.MERGE,
+                )
+                return
+            except ApiError as e:
+                if e.status.code == 404:
+                    return
+                if e.status.code != 409:
+                    raise
 
     def _event(self, obs: Observed, reason: str, message: str, warning: bool = False) -> None:
         body: Any = {
