@@ -134,6 +134,8 @@ class StackConfig:
     #: delivers signed workflow_job webhooks to the operator, losing ``webhook_drop_rate``)
     scaling_mode: str = "polling"
     webhook_drop_rate: float = 0.0
+    #: start one agent (node-1); without it VMs are created but never run (benchmarks)
+    start_agent: bool = True
 
 
 @dataclass
@@ -178,7 +180,8 @@ class Stack:
         self.images = await build_test_images(wd / "images", self.registry.address)
 
         await self._write_credentials()
-        self.start_agent("node-1")
+        if self.config.start_agent:
+            self.start_agent("node-1")
         self.start_operator()
         if self.config.scaling_mode in ("webhook", "hybrid"):
             await self._setup_webhooks()
@@ -256,6 +259,55 @@ class Stack:
             del scaling["polling"]
         for obj in load_all_yaml(yaml.safe_dump_all(docs)):
             await self.kube.apply(obj, force=True)
+
+    async def add_pool(
+        self,
+        name: str,
+        labels: list[str],
+        *,
+        min_idle: int = 0,
+        max_concurrent: int = 5,
+        scale_up_step: int = 5,
+        cooldown_seconds: int = 5,
+        mode: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """Apply another pool from the example's template (same org, group and credentials)."""
+        assert self.kube is not None
+        mode = mode or self.config.scaling_mode
+        scaling: dict[str, Any] = {
+            "mode": mode,
+            "minIdle": min_idle,
+            "maxConcurrent": max_concurrent,
+            "scaleUpStep": scale_up_step,
+            "cooldownSeconds": cooldown_seconds,
+        }
+        if mode in ("polling", "hybrid"):
+            scaling["polling"] = {
+                "enabled": True,
+                "intervalSeconds": self.config.polling_interval_seconds or 30,
+            }
+        if mode in ("webhook", "hybrid"):
+            scaling["webhook"] = {"secretRef": {"name": WEBHOOK_SECRET}}
+        doc = {
+            "apiVersion": "imp.dev/v1alpha1",
+            "kind": "ImpVMRunnerPool",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {
+                "templateName": "gh-runner",
+                "labels": labels,
+                "platform": {
+                    "type": "github-actions",
+                    "scope": {"org": ORG},
+                    "runnerGroup": RUNNER_GROUP,
+                    "credentialsSecret": CREDENTIALS_SECRET,
+                    "tokenSource": "github_app",
+                },
+                "scaling": scaling,
+                **(extra or {}),
+            },
+        }
+        await self.kube.create(ImpVMRunnerPoolResource.from_dict(doc))
 
     # ------------------------------------------------------------------ processes
 
@@ -350,10 +402,10 @@ class Stack:
         assert self.kube is not None
         return [o.to_dict() async for o in self.kube.list(ImpVMResource, namespace=NAMESPACE)]
 
-    async def pool_status(self) -> dict[str, Any]:
-        """The example pool's status."""
+    async def pool_status(self, name: str = POOL) -> dict[str, Any]:
+        """A pool's status (default: the example pool)."""
         assert self.kube is not None
-        obj = await self.kube.get(ImpVMRunnerPoolResource, POOL, namespace=NAMESPACE)
+        obj = await self.kube.get(ImpVMRunnerPoolResource, name, namespace=NAMESPACE)
         status: dict[str, Any] = obj.to_dict().get("status") or {}
         return status
 
