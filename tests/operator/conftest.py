@@ -1,12 +1,11 @@
 """Fixtures for the pool-controller tests: a real control plane (tests/conftest.py), the GitHub
-stand-in over real HTTP, and :class:`PoolReconciler` passes run one at a time inside a kopf
-event-posting context (kopf's own queue; the events the operator posts are read from it)."""
+stand-in over real HTTP, and :class:`PoolReconciler` passes run one at a time; the Events the
+operator records are read back from the API server."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextvars
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -14,16 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import kopf
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from kopf._core.engines import posting
 from lightkube import AsyncClient
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ApiError
 from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.core_v1 import Secret
+from lightkube.resources.core_v1 import Event, Secret
 from lightkube.types import PatchType
 
 from impvm.api.resources import (
@@ -82,10 +79,9 @@ class PoolEnv:
     private_key: str
     class_name: str
     ctx: OperatorContext
-    events: list[posting.K8sEvent] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     jit_configs: set[str] = field(default_factory=set)
     session_tokens: set[str] = field(default_factory=set)
-    _queue: asyncio.Queue[posting.K8sEvent] = field(default_factory=asyncio.Queue)
 
     # ------------------------------------------------------------------ arrange
 
@@ -189,35 +185,24 @@ class PoolEnv:
 
     # ------------------------------------------------------------------ act
 
-    def _kopf_context(self) -> contextvars.Context:
-        """What kopf gives every handler and daemon task: settings and the event queue."""
-        c = contextvars.copy_context()
-        c.run(posting.settings_var.set, kopf.OperatorSettings())
-        c.run(posting.event_queue_var.set, self._queue)
-        c.run(posting.event_queue_loop_var.set, asyncio.get_running_loop())
-        return c
-
     def start_pass(self, ctx: OperatorContext | None = None) -> asyncio.Task[float | None]:
-        """Start one reconcile pass of the pool as a task (in a kopf context)."""
+        """Start one reconcile pass of the pool as a task."""
         reconciler = PoolReconciler(ctx or self.ctx)
-        return asyncio.get_running_loop().create_task(
-            reconciler.reconcile((self.ns, POOL)), context=self._kopf_context()
-        )
+        return asyncio.get_running_loop().create_task(reconciler.reconcile((self.ns, POOL)))
 
     async def finish_pass(self, task: asyncio.Task[float | None]) -> float | None:
         try:
             return await task
         finally:
-            self.collect()
+            await self.collect()
 
     async def run_pass(self, ctx: OperatorContext | None = None) -> float | None:
         """One reconcile pass; returns its requeue delay."""
         return await self.finish_pass(self.start_pass(ctx))
 
-    def collect(self) -> None:
-        """Drain posted events; remember every secret the stand-in holds now."""
-        while not self._queue.empty():
-            self.events.append(self._queue.get_nowait())
+    async def collect(self) -> None:
+        """Read the Events recorded so far; remember every secret the stand-in holds now."""
+        self.events = [e async for e in self.kube.list(Event, namespace=self.ns)]
         st = self.standin.state
         for r in st.runners.values():
             self.session_tokens.add(r.session_token)
@@ -279,7 +264,7 @@ class PoolEnv:
             r for r in self.standin.state.requests if r["method"] == method and r["path"] == path
         ]
 
-    def events_with(self, reason: str) -> list[posting.K8sEvent]:
+    def events_with(self, reason: str) -> list[Event]:
         return [e for e in self.events if e.reason == reason]
 
     # ------------------------------------------------------------------ the runner side
@@ -305,7 +290,7 @@ class PoolEnv:
     ) -> None:
         """DESIGN.md "Where secrets may be": no private key line, installation token, JIT
         config or runner session token in any condition, Event, log record or ImpVM."""
-        self.collect()
+        await self.collect()
         st = self.standin.state
         secrets = dict.fromkeys(st.tokens, "installation token")
         secrets |= dict.fromkeys(self.jit_configs, "JIT config")

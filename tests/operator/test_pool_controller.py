@@ -4,7 +4,7 @@ reconcile pass at a time (issue "pool controller", Done when; seed 000's failure
 Each test drives :class:`impvm.operator.pool.PoolReconciler` exactly as the operator's daemon
 does, with the operator's clock under the test's control, then reads the results from the API
 server (pool status, ImpVMs, Secrets), from the stand-in (registrations, request log) and from
-kopf's event queue. Every test ends by searching all of it, and the log, for secret values.
+the Events read back from the API server. Every test ends by searching all of it, and the log, for secret values.
 """
 
 from __future__ import annotations
@@ -373,6 +373,7 @@ def _operator_rbac(kube: Client, ns: str, sa: str, create_secrets: bool) -> None
             verbs=["get", "patch"],
         ),
         PolicyRule(apiGroups=[""], resources=["secrets"], verbs=secret_verbs),
+        PolicyRule(apiGroups=[""], resources=["events"], verbs=["create"]),
     ]
     kube.apply(Role(metadata=ObjectMeta(name=sa, namespace=ns), rules=rules), force=True)
     subject = Subject(kind="ServiceAccount", name=sa, namespace=ns)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from lightkube import AsyncClient
 
+from impvm.events import EventRecorder
 from impvm.github import GitHubClient, RetryPolicy
 from impvm.scaling.jobtable import JobTable, PoolScope
 
@@ -96,6 +97,7 @@ class OperatorContext:
         self.clock = clock
         self.pools: dict[PoolKey, PoolMemory] = {}
         self.jobs = JobTable()
+        self.events = EventRecorder(kube, component="impvm-operator")
         self._github: dict[tuple[str, str], _ClientEntry] = {}
 
     def pool(self, key: PoolKey) -> PoolMemory:

@@ -26,7 +26,6 @@ import secrets as pysecrets
 from dataclasses import dataclass, field
 from typing import Any
 
-import kopf
 from lightkube.core.exceptions import ApiError
 from lightkube.models.meta_v1 import ObjectMeta, OwnerReference
 from lightkube.resources.core_v1 import Secret
@@ -197,7 +196,7 @@ class PoolReconciler:
                 raise
             msg = f"ImpVMTemplate {tname!r} not found in namespace {ns}; retrying in 30s"
             if conditions.set("TemplateMissing", True, "NotFound", msg):
-                self._event(obs, "TemplateMissing", msg, warning=True)
+                await self._event(obs, "TemplateMissing", msg, warning=True)
             conditions.set("Ready", False, "TemplateMissing", msg)
             return False
         obs.template = ImpVMTemplate.model_validate(t.to_dict())
@@ -209,7 +208,7 @@ class PoolReconciler:
                 raise
             msg = f"ImpVMClass {cname!r} (from template {tname!r}) not found; retrying in 30s"
             if conditions.set("TemplateMissing", True, "ClassNotFound", msg):
-                self._event(obs, "TemplateMissing", msg, warning=True)
+                await self._event(obs, "TemplateMissing", msg, warning=True)
             conditions.set("Ready", False, "TemplateMissing", msg)
             return False
         obs.vm_class = ImpVMClass.model_validate(c.to_dict())
@@ -228,7 +227,7 @@ class PoolReconciler:
             if e.status.code != 404:
                 raise
             err = CredentialsError(f"credentials Secret {platform.credentials_secret!r} not found")
-            self._github_failed(key, obs, conditions, err)
+            await self._github_failed(key, obs, conditions, err)
             return
         data = {k: base64.b64decode(v) for k, v in (sec.data or {}).items()}
         fingerprint = (
@@ -237,7 +236,7 @@ class PoolReconciler:
         try:
             creds = credentials_from_secret(data, platform.token_source)
         except CredentialsError as e:
-            self._github_failed(key, obs, conditions, e)
+            await self._github_failed(key, obs, conditions, e)
             return
         s = self.ctx.settings
         obs.github = self.ctx.github_client(
@@ -256,13 +255,13 @@ class PoolReconciler:
         try:
             obs.runners = await obs.github.list_runners(obs.scope, name_prefix=prefix)
         except GitHubError as e:
-            self._github_failed(key, obs, conditions, e)
+            await self._github_failed(key, obs, conditions, e)
             return
         conditions.set("CredentialsInvalid", False, "Valid", "credentials accepted by GitHub")
         conditions.set("GitHubUnavailable", False, "Available", "GitHub answered")
         conditions.set("RateLimited", False, "WithinLimits", "")
 
-    def _github_failed(
+    async def _github_failed(
         self, key: PoolKey, obs: Observed, conditions: cond.ConditionSet, err: GitHubError
     ) -> None:
         """Record a GitHub/credentials failure in conditions and an Event (no secrets: the
@@ -288,7 +287,7 @@ class PoolReconciler:
         else:
             changed = conditions.set("GitHubUnavailable", True, reason, msg)
         if changed or self.ctx.pool(key).last_error != msg:
-            self._event(obs, "GitHubError", msg, warning=True)
+            await self._event(obs, "GitHubError", msg, warning=True)
         self.ctx.pool(key).last_error = msg
 
     async def _observe_vms(self, obs: Observed) -> None:
@@ -326,7 +325,7 @@ class PoolReconciler:
         except ApiError as e:
             if e.status.code != 404:
                 raise
-            self._event(obs, "WebhookSecretMissing", f"Secret {ref.name!r} not found", True)
+            await self._event(obs, "WebhookSecretMissing", f"Secret {ref.name!r} not found", True)
             return
         raw = (sec.data or {}).get(WEBHOOK_SECRET_KEY)
         if raw:
@@ -384,7 +383,7 @@ class PoolReconciler:
         try:
             result = await poll_jobs(obs.github, obs.scope)
         except GitHubError as e:
-            self._github_failed(key, obs, conditions, e)
+            await self._github_failed(key, obs, conditions, e)
             obs.last_poll = {"time": _ts(_now()), "error": f"{type(e).__name__}: {e}"[:500]}
             return
         for job in result.jobs:
@@ -458,7 +457,7 @@ class PoolReconciler:
             for r in plan.delete_registrations:
                 try:
                     await obs.github.delete_runner(obs.scope, r.runner_id)
-                    self._event(obs, "RegistrationRemoved", r.message)
+                    await self._event(obs, "RegistrationRemoved", r.message)
                 except GitHubError as e:
                     log.warning("pool %s/%s: could not remove registration: %s", *key, e)
 
@@ -481,7 +480,9 @@ class PoolReconciler:
             if not await self._mint(key, obs, vm, None, conditions):
                 break
         if created:
-            self._event(obs, "ScaledUp", f"created {created} VM(s): {plan.create_reason}"[:1000])
+            await self._event(
+                obs, "ScaledUp", f"created {created} VM(s): {plan.create_reason}"[:1000]
+            )
         return created
 
     async def _create_vm(self, obs: Observed) -> dict[str, Any]:
@@ -569,7 +570,7 @@ class PoolReconciler:
             delay = mem.github_backoff.failed(
                 self.ctx.clock(), e.retry_after if isinstance(e, RateLimited) else 0.0
             )
-            self._github_failed(key, obs, conditions, e)
+            await self._github_failed(key, obs, conditions, e)
             msg = f"JIT config for {vm_name} not minted ({type(e).__name__}); retry in {delay:.0f}s"
             obs.failure = ("JitMintFailed", msg)
             return False
@@ -603,7 +604,7 @@ class PoolReconciler:
             if e.status.code != 409:
                 msg = f"JIT Secret {sname} could not be written (HTTP {e.status.code})"
                 obs.failure = ("SecretWriteFailed", msg)
-                self._event(obs, "SecretWriteFailed", msg, warning=True)
+                await self._event(obs, "SecretWriteFailed", msg, warning=True)
                 return False
         obs.secrets.add(sname)
         await self._record_secret(ns, vm_name, sname)
@@ -642,7 +643,7 @@ class PoolReconciler:
                     return False
                 outcome = DeleteOutcome.NOT_FOUND
             if outcome is DeleteOutcome.BUSY:
-                self._event(obs, "ScaleDownSkipped", f"runner {name} is busy; VM kept")
+                await self._event(obs, "ScaleDownSkipped", f"runner {name} is busy; VM kept")
                 return False
         elif deregister_first and runner_id is not None:
             return False  # GitHub unknown this pass: never delete a possibly busy runner
@@ -651,7 +652,7 @@ class PoolReconciler:
         except ApiError as e:
             if e.status.code != 404:
                 raise
-        self._event(obs, "VMDeleted", f"{name}: {message}"[:1000])
+        await self._event(obs, "VMDeleted", f"{name}: {message}"[:1000])
         return True
 
     async def _sync_vm_runner_status(self, obs: Observed) -> None:
@@ -771,15 +772,16 @@ class PoolReconciler:
                 if e.status.code != 409:
                     raise
 
-    def _event(self, obs: Observed, reason: str, message: str, warning: bool = False) -> None:
-        body: Any = {
-            "apiVersion": API_VERSION,
-            "kind": "ImpVMRunnerPool",
-            "metadata": {
-                "name": obs.pool_name,
-                "namespace": obs.raw["metadata"]["namespace"],
-                "uid": obs.pool_uid,
-            },
-        }
-        log.info("pool %s: %s: %s", obs.pool_name, reason, message)
-        kopf.event(body, type="Warning" if warning else "Normal", reason=reason, message=message)
+    async def _event(self, obs: Observed, reason: str, message: str, warning: bool = False) -> None:
+        """An Event on the pool (messages are ours: names, ids, redacted GitHub text); the
+        recorder also logs it."""
+        await self.ctx.events.record(
+            api_version=API_VERSION,
+            kind="ImpVMRunnerPool",
+            namespace=obs.raw["metadata"]["namespace"],
+            name=obs.pool_name,
+            uid=obs.pool_uid,
+            reason=reason,
+            message=message,
+            warning=warning,
+        )

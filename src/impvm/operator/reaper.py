@@ -48,9 +48,7 @@ from typing import Any, Final
 
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
-from lightkube.models.core_v1 import EventSource, ObjectReference
-from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.core_v1 import Event, Secret
+from lightkube.resources.core_v1 import Secret
 from lightkube.types import PatchType
 from pydantic import ValidationError
 
@@ -62,6 +60,7 @@ from impvm.api.models import (
     ReaperSpec,
 )
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
+from impvm.events import EventRecorder
 from impvm.github import (
     Credentials,
     DeleteOutcome,
@@ -579,38 +578,19 @@ async def record_report(kube: AsyncClient, pool: Any, report: ReapReport) -> Non
 async def _event(
     kube: AsyncClient, pool: Mapping[str, Any], reason: str, message: str, warning: bool = False
 ) -> None:
-    """A core/v1 Event about the pool (message cut to 1 KiB). Failures are logged only."""
+    """A core/v1 Event about the pool (:class:`impvm.events.EventRecorder`: message cut to
+    1 KiB, failures logged only)."""
     meta = pool["metadata"]
-    now = dt.datetime.now(dt.UTC)
-    ev = Event(
-        metadata=ObjectMeta(generateName=f"{meta['name']}.", namespace=meta["namespace"]),
-        involvedObject=ObjectReference(
-            apiVersion=API_VERSION,
-            kind="ImpVMRunnerPool",
-            name=meta["name"],
-            namespace=meta["namespace"],
-            uid=meta.get("uid"),
-        ),
+    await EventRecorder(kube, component=COMPONENT).record(
+        api_version=API_VERSION,
+        kind="ImpVMRunnerPool",
+        namespace=meta["namespace"],
+        name=meta["name"],
+        uid=meta.get("uid", ""),
         reason=reason,
-        message=message[:1024],
-        type="Warning" if warning else "Normal",
-        source=EventSource(component=COMPONENT),
-        firstTimestamp=now,
-        lastTimestamp=now,
-        count=1,
-        reportingComponent=COMPONENT,
-        reportingInstance=COMPONENT,
+        message=message,
+        warning=warning,
     )
-    try:
-        await kube.create(ev)
-    except ApiError as e:
-        log.warning(
-            "could not record event %s on pool %s/%s (HTTP %s)",
-            reason,
-            meta["namespace"],
-            meta["name"],
-            e.status.code,
-        )
 
 
 # --------------------------------------------------------------------------------------------
