@@ -454,9 +454,17 @@ def test_stale_registration_reported_for_secret_mint() -> None:
     assert m.stale_runner_id == 3
 
 
-def test_no_mint_when_runner_id_recorded_or_inventory_unknown_or_timed_out() -> None:
+def test_mint_replaces_a_recorded_registration_without_secret() -> None:
+    """A runner id on the VM but no Secret (the Secret write failed, or it was deleted): the
+    registration is unusable, so it is replaced rather than left to the bootstrap timeout."""
     v = vm("v", phase="Pending", has_secret=False, runner_id=3)
-    assert decide(snap(limits(min_idle=1), (v,), (reg(3, "v", online=False),))).mint_secrets == ()
+    (m,) = decide(snap(limits(min_idle=1), (v,), (reg(3, "v", online=False),))).mint_secrets
+    assert m.stale_runner_id == 3
+    (m,) = decide(snap(limits(min_idle=1), (v,), ())).mint_secrets  # registration already gone
+    assert m.stale_runner_id == 3
+
+
+def test_no_mint_when_inventory_unknown_or_timed_out() -> None:
     v = vm("v", phase="Pending", has_secret=False)
     assert decide(snap(limits(min_idle=1), (v,), None)).mint_secrets == ()
     v = vm("v", phase="Pending", has_secret=False, created_at=ago(301))

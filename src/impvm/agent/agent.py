@@ -34,7 +34,6 @@ from lightkube.resources.core_v1 import Secret as K8sSecret
 from lightkube.types import PatchType
 
 from impvm.agent.capacity import Resources, fits, total
-from impvm.events import EventRecorder
 from impvm.agent.runtime import ImageError, Runtime, RuntimeError_, Secret, VMRequest, VMState
 from impvm.api.durations import resolve_expire_after
 from impvm.api.models import (
@@ -45,6 +44,7 @@ from impvm.api.models import (
     ImpVMClassSpec,
 )
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
+from impvm.events import EventRecorder
 
 log = logging.getLogger("impvm.agent")
 

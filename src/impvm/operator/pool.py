@@ -63,6 +63,7 @@ from impvm.github.errors import (
     InstallationUnavailable,
     PermissionNotGranted,
     RateLimited,
+    RequestRejected,
 )
 from impvm.operator import conditions as cond
 from impvm.operator.context import OperatorContext, PoolKey
@@ -177,6 +178,8 @@ class PoolReconciler:
         snapshot = self._snapshot(obs, queued)
         plan = decide(snapshot)
         created = await self._act(key, obs, plan, conditions)
+        if obs.github is not None and obs.github_error is None and obs.failure is None:
+            self.ctx.pool(key).github_backoff.succeeded()
         await self._sync_vm_runner_status(obs)
         await self._sync_vm_job_status(obs)
         await self._write_status(key, obs, conditions, plan, created)
@@ -251,6 +254,15 @@ class PoolReconciler:
                 retry=s.github_retry,
             ),
         )
+        mem = self.ctx.pool(key)
+        now = self.ctx.clock()
+        if not mem.github_backoff.ready(now):
+            # GitHub failed recently: no GitHub call at all this pass (the inventory is
+            # unknown, so nothing GitHub-based is decided either)
+            wait = mem.github_backoff.not_before - now
+            obs.failure = ("GitHubBackoff", f"{mem.last_error}; retry in {wait:.0f}s")
+            obs.github = None
+            return
         prefix = runner_prefix(obs.pool_name, obs.pool_uid)
         try:
             obs.runners = await obs.github.list_runners(obs.scope, name_prefix=prefix)
@@ -269,7 +281,12 @@ class PoolReconciler:
         obs.github_error = err
         msg = str(err)
         reason = type(err).__name__
-        if isinstance(err, CredentialsError | BadCredentials):
+        at_least = err.retry_after if isinstance(err, RateLimited) else 0.0
+        self.ctx.pool(key).github_backoff.failed(self.ctx.clock(), at_least)
+        if isinstance(err, RequestRejected):  # GitHub refused this request; it is not down
+            changed = obs.failure is None
+            obs.failure = ("GitHubRejected", msg)
+        elif isinstance(err, CredentialsError | BadCredentials):
             changed = conditions.set("CredentialsInvalid", True, reason, msg)
         elif isinstance(err, RateLimited):
             reset = _now() + dt.timedelta(seconds=err.retry_after)
@@ -352,7 +369,7 @@ class PoolReconciler:
         due = not mem.last_poll or (
             periodic and (now - mem.last_poll >= interval or not busy <= mem.busy_at_poll)
         )
-        if due and obs.github is not None and obs.scope is not None:
+        if due and obs.github is not None and obs.scope is not None and obs.github_error is None:
             if self._budget_low(obs, conditions):
                 mem.last_poll = now  # try again next interval
             else:
@@ -463,9 +480,9 @@ class PoolReconciler:
 
         mem = self.ctx.pool(key)
         now = self.ctx.clock()
-        if not mem.github_backoff.ready(now):
+        if obs.github is None or not mem.github_backoff.ready(now):
             # GitHub failed recently: neither mint nor create until the backoff ends
-            if plan.mint_secrets or plan.create:
+            if (plan.mint_secrets or plan.create) and obs.failure is None:
                 wait = mem.github_backoff.not_before - now
                 obs.failure = ("GitHubBackoff", f"{mem.last_error}; retry in {wait:.0f}s")
             return 0
@@ -547,7 +564,7 @@ class PoolReconciler:
         sname = secret_name(vm_name)
         if sname in obs.secrets:
             # the Secret was written but not recorded: record it (crash repair)
-            await self._record_secret(ns, vm_name, sname)
+            await self._record_secret(obs, vm, sname)
             return True
         if obs.github is None or obs.scope is None:
             return False
@@ -567,14 +584,11 @@ class PoolReconciler:
                 obs.scope, vm_name, group, obs.pool.spec.labels
             )
         except GitHubError as e:
-            delay = mem.github_backoff.failed(
-                self.ctx.clock(), e.retry_after if isinstance(e, RateLimited) else 0.0
-            )
-            await self._github_failed(key, obs, conditions, e)
+            await self._github_failed(key, obs, conditions, e)  # starts the backoff
+            delay = mem.github_backoff.not_before - self.ctx.clock()
             msg = f"JIT config for {vm_name} not minted ({type(e).__name__}); retry in {delay:.0f}s"
             obs.failure = ("JitMintFailed", msg)
             return False
-        mem.github_backoff.succeeded()
         secret = Secret(
             metadata=ObjectMeta(
                 name=sname,
@@ -604,24 +618,31 @@ class PoolReconciler:
             if e.status.code != 409:
                 msg = f"JIT Secret {sname} could not be written (HTTP {e.status.code})"
                 obs.failure = ("SecretWriteFailed", msg)
+                # each retry mints (and replaces) a registration: back off like a GitHub error
+                mem.last_error = msg
+                mem.github_backoff.failed(self.ctx.clock())
                 await self._event(obs, "SecretWriteFailed", msg, warning=True)
                 return False
         obs.secrets.add(sname)
-        await self._record_secret(ns, vm_name, sname)
+        await self._record_secret(obs, vm, sname)
         # Last: a VM with a runner id but no Secret is never minted again (impvm.scaling).
         await self._patch_vm_status(
             ns, vm_name, {"runner": {"id": jit.runner_id, "name": jit.runner_name}}
         )
         return True
 
-    async def _record_secret(self, ns: str, vm_name: str, sname: str) -> None:
+    async def _record_secret(self, obs: Observed, vm: dict[str, Any], sname: str) -> None:
+        """Record the Secret's name in ``spec.runnerConfigSecret`` (seed 000 step 5), also in
+        this pass's view so the rest of the pass treats the VM as set up."""
+        meta = vm["metadata"]
         await self.ctx.kube.patch(
             ImpVMResource,
-            vm_name,
+            meta["name"],
             {"spec": {"runnerConfigSecret": sname}},
-            namespace=ns,
+            namespace=meta["namespace"],
             patch_type=PatchType.MERGE,
         )
+        vm["spec"]["runnerConfigSecret"] = sname
 
     async def _delete_vm(
         self,
@@ -665,6 +686,8 @@ class PoolReconciler:
             r = by_name.get(name)
             if r is None or o["metadata"].get("deletionTimestamp"):
                 continue
+            if o["spec"].get("runnerConfigSecret") not in obs.secrets:
+                continue  # a registration the VM cannot use: the next mint replaces it
             cur = (o.get("status") or {}).get("runner") or {}
             want = {"id": r.id, "name": r.name, "online": r.status == "online", "busy": r.busy}
             if any(cur.get(k) != v for k, v in want.items()):

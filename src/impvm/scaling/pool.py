@@ -476,12 +476,15 @@ def decide(snapshot: PoolSnapshot) -> ScalePlan:
                     )
                 )
                 continue
-            if not vm.has_secret and vm.runner_id is None:
+            if not vm.has_secret:
+                # a registration for this VM without its Secret (a pass crashed after the
+                # JIT call, or the Secret was deleted) can never be used: replace it
                 stale = inv.by_name.get(vm.name)
+                stale_id = stale.id if stale is not None else vm.runner_id
                 mints.append(
                     SecretMint(
                         name=vm.name,
-                        stale_runner_id=stale.id if stale is not None else None,
+                        stale_runner_id=stale_id,
                         message=f"VM {vm.name} has no JIT Secret yet",
                     )
                 )
