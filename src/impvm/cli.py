@@ -66,11 +66,19 @@ def operator(
         str | None,
         typer.Option(help="Override the GitHub REST base URL (e.g. the GitHub stand-in)."),
     ] = None,
+    node_lost_grace_seconds: Annotated[
+        float, typer.Option(help="Seconds past an agent Lease's expiry before its VMs are lost.")
+    ] = 60.0,
 ) -> None:
-    """Run the operator (pool controller). Kubernetes credentials: KUBECONFIG or in-cluster."""
+    """Run the operator (pool controller, webhook receiver, reaper). Kubernetes credentials:
+    KUBECONFIG or in-cluster."""
+    from impvm.operator.context import OperatorSettings
     from impvm.operator.main import main as operator_main
 
-    operator_main(namespace or [], http_host, http_port, github_api_url)
+    settings = OperatorSettings(
+        github_api_url=github_api_url, node_lost_grace_seconds=node_lost_grace_seconds
+    )
+    operator_main(namespace or [], http_host, http_port, settings)
 
 
 @app.command()

@@ -122,6 +122,11 @@ async def test_seed_example_runs_jobs_each_on_its_own_vm(stack: Stack) -> None:
         await wait_for("deleted VMs gone", one_vm, 60, stack)
         assert rec.max_vms <= 5, rec.max_vms  # never more than maxConcurrent at once
 
+    # the operator and agent ran as their ServiceAccounts (deploy/rbac): nothing was refused
+    for name in ("operator.log", "agent-node-1.log"):
+        log_text = (stack.config.workdir / name).read_text()
+        assert "Forbidden" not in log_text and " 403" not in log_text, name
+
     # no registration left behind for any deleted VM
     vm_names = {v["metadata"]["name"] for v in await stack.vms()}
     assert {r.name for r in stack.runners()} <= vm_names
@@ -183,3 +188,44 @@ async def test_deleting_a_vm_collects_its_secret(stack: Stack) -> None:
         return sname not in names
 
     await wait_for("the VM's Secret collected", secret_gone, 60, stack)
+
+
+async def test_lost_agent_releases_its_vms_and_pool_deletion_removes_registrations(
+    stack: Stack,
+) -> None:
+    """The agent dies: its VMs are failed (NodeLost) and their deletion is not blocked by its
+    finalizer; a new agent takes over. Then the pool is deleted: VMs go (garbage collector) and
+    no registration is left."""
+    from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
+
+    async def one_idle() -> bool:
+        st = await stack.pool_status()
+        return st.get("idle") == 1 and st.get("total") == 1
+
+    await wait_for("one idle runner", one_idle, 120, stack)
+    (old,) = await stack.vms()
+    assert old["spec"]["nodeName"] == "node-1"
+    stack.kill("agent-node-1")  # SIGKILL: no cleanup, finalizer stays, Lease stops renewing
+    stack.start_agent("node-2")
+
+    async def replaced_on_node_2() -> bool:
+        vms = await stack.vms()
+        names = {v["metadata"]["name"] for v in vms}
+        return old["metadata"]["name"] not in names and any(
+            v["spec"].get("nodeName") == "node-2"
+            and (v.get("status") or {}).get("runner", {}).get("online")
+            for v in vms
+        )
+
+    # lease duration 40 s + grace 5 s, then a pass
+    await wait_for("VM of the lost node replaced on node-2", replaced_on_node_2, 150, stack)
+
+    kube = stack.kube
+    assert kube is not None
+    await kube.delete(ImpVMRunnerPoolResource, "ci-pool", namespace=NAMESPACE)
+
+    async def all_gone() -> bool:
+        vms = [o async for o in kube.list(ImpVMResource, namespace=NAMESPACE)]
+        return not vms and not stack.runners()
+
+    await wait_for("pool's VMs and registrations gone", all_gone, 90, stack)

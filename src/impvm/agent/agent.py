@@ -37,6 +37,9 @@ from impvm.agent.capacity import Resources, fits, total
 from impvm.agent.runtime import ImageError, Runtime, RuntimeError_, Secret, VMRequest, VMState
 from impvm.api.durations import resolve_expire_after
 from impvm.api.models import (
+    AGENT_FINALIZER,
+    AGENT_LEASE_NAMESPACE,
+    AGENT_LEASE_PREFIX,
     JIT_SECRET_KEY,
     TERMINAL_PHASES,
     ImpVM,
@@ -48,9 +51,8 @@ from impvm.events import EventRecorder
 
 log = logging.getLogger("impvm.agent")
 
-#: Finalizer an agent puts on a VM it claimed; released once the runtime is cleaned up.
-FINALIZER = "imp.dev/agent"
-LEASE_PREFIX = "impvm-agent-"
+FINALIZER = AGENT_FINALIZER
+LEASE_PREFIX = AGENT_LEASE_PREFIX
 
 
 def _now() -> dt.datetime:
@@ -68,7 +70,7 @@ class AgentConfig:
     node_name: str
     capacity: Resources
     workdir: Path
-    lease_namespace: str = "impvm-system"
+    lease_namespace: str = AGENT_LEASE_NAMESPACE
     lease_duration_seconds: int = 40
     lease_renew_seconds: float = 10.0
     resync_seconds: float = 15.0

@@ -25,6 +25,13 @@ API_VERSION = f"{GROUP}/{VERSION}"
 POOL_LABEL = "imp.dev/runner-pool"
 #: Annotation on a pool holding an external demand signal (an integer).
 DEMAND_ANNOTATION = "imp.dev/runner-demand"
+#: Finalizer a node agent puts on a VM it claimed; released once the VM's runtime is cleaned up
+#: (or by the operator when the VM's node is lost).
+AGENT_FINALIZER = "imp.dev/agent"
+#: Namespace of the agents' Leases (liveness and capacity).
+AGENT_LEASE_NAMESPACE = "impvm-system"
+#: Name prefix of an agent's Lease; the rest is the node name.
+AGENT_LEASE_PREFIX = "impvm-agent-"
 #: Key of the JIT config in the Secret owned by a VM.
 JIT_SECRET_KEY = "jitconfig"
 

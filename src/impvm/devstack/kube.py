@@ -73,7 +73,7 @@ def service_account_kubeconfig(
     client: Client, kubeconfig: Path, namespace: str, name: str, create: bool = True
 ) -> dict[str, Any]:
     """A kubeconfig (as a dict) authenticating as ServiceAccount ``namespace/name`` with a
-    one-hour token from the TokenRequest API. Creates the ServiceAccount when ``create``."""
+    one-day token from the TokenRequest API. Creates the ServiceAccount when ``create``."""
     if create:
         try:
             client.create(ServiceAccount(metadata=ObjectMeta(name=name, namespace=namespace)))
@@ -101,7 +101,7 @@ def service_account_kubeconfig(
 def _token_request(client: Client, namespace: str, name: str) -> str:
     req = ServiceAccountToken(
         metadata=ObjectMeta(name=name, namespace=namespace),
-        spec=TokenRequestSpec(audiences=[], expirationSeconds=3600),
+        spec=TokenRequestSpec(audiences=[], expirationSeconds=86400),
     )
     out = client.create(req, name=name, namespace=namespace)
     if out.status is None or not out.status.token:

@@ -34,10 +34,14 @@ from lightkube.resources.core_v1 import Namespace, Secret
 from impvm.agent.process import host_python_binds
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
 from impvm.devstack.controlplane import ControlPlane, free_port
-from impvm.devstack.kube import admin_client, install_crds
+from impvm.devstack.kube import admin_client, install_crds, service_account_kubeconfig
 from impvm.devstack.registry import LocalRegistry
 from impvm.devstack.standin import StandIn
 from impvm.devstack.testimages import TestImages, build_test_images
+
+#: deploy/ of the source tree (the stack runs from a checkout: scripts/setup.sh installs it
+#: editable)
+DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 
 APP_ID = 4242
 INSTALLATION_ID = 777
@@ -152,6 +156,8 @@ class Stack:
     webhook_secret: str = field(default="", repr=False)
     operator_http_port: int = 0
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    #: kubeconfig per component (operator, agent), authenticating as its ServiceAccount
+    kubeconfigs: dict[str, Path] = field(default_factory=dict)
 
     @property
     def kubeconfig(self) -> Path:
@@ -180,6 +186,7 @@ class Stack:
         self.images = await build_test_images(wd / "images", self.registry.address)
 
         await self._write_credentials()
+        await self._apply_rbac()
         if self.config.start_agent:
             self.start_agent("node-1")
         self.start_operator()
@@ -203,6 +210,30 @@ class Stack:
         st.add_repo(REPO)
         st.add_runner_group(ORG, RUNNER_GROUP)
         st.add_installation(INSTALLATION_ID, APP_ID, ORG, INSTALLATION_PERMISSIONS)
+
+    async def _apply_rbac(self) -> None:
+        """Apply deploy/rbac/{operator,agent}.yaml and write a kubeconfig per component that
+        authenticates as its ServiceAccount (TokenRequest): the operator and agent processes run
+        with exactly the permissions a real deployment grants them."""
+        assert self.kube is not None and self.control_plane is not None
+        from lightkube.codecs import load_all_yaml
+
+        for component in ("operator", "agent"):
+            path = DEPLOY / "rbac" / f"{component}.yaml"
+            for obj in load_all_yaml(path.read_text()):
+                await self.kube.apply(obj, force=True)
+            cfg = await asyncio.to_thread(
+                service_account_kubeconfig,
+                admin_client(self.control_plane.kubeconfig),
+                self.control_plane.kubeconfig,
+                "impvm-system",
+                f"impvm-{component}",
+                False,
+            )
+            out = self.config.workdir / f"{component}.kubeconfig"
+            out.write_text(yaml.safe_dump(cfg))
+            out.chmod(0o600)
+            self.kubeconfigs[component] = out
 
     async def _ensure_namespace(self, name: str) -> None:
         assert self.kube is not None
@@ -311,19 +342,19 @@ class Stack:
 
     # ------------------------------------------------------------------ processes
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, component: str) -> dict[str, str]:
         env = dict(os.environ)
-        env["KUBECONFIG"] = str(self.kubeconfig)
+        env["KUBECONFIG"] = str(self.kubeconfigs.get(component, self.kubeconfig))
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], component: str) -> None:
         log: IO[bytes] = open(self.config.workdir / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "impvm.cli", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=self._env(),
+            env=self._env(component),
             start_new_session=True,
         )
         log.close()
@@ -348,7 +379,7 @@ class Stack:
         ]
         for p in host_python_binds():
             args += ["--bind-ro", str(p)]
-        self._spawn(f"agent-{node}", args)
+        self._spawn(f"agent-{node}", args, "agent")
 
     def start_operator(self) -> None:
         """Start (or restart) the operator process."""
@@ -365,7 +396,10 @@ class Stack:
                 str(self.operator_http_port),
                 "--github-api-url",
                 self.standin.url,
+                "--node-lost-grace-seconds",
+                "5",
             ],
+            "operator",
         )
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:

@@ -75,6 +75,8 @@ class OperatorSettings:
     #: below this share of the rate-limit budget, polling (non-essential) pauses; JIT minting
     #: (essential) goes on
     poll_budget_floor: float = 0.2
+    #: seconds past an agent Lease's duration before its node's VMs are given up
+    node_lost_grace_seconds: float = 60.0
 
 
 @dataclass

@@ -39,8 +39,7 @@ async def run(
         await kube.close()
 
 
-def main(namespaces: list[str], http_host: str, http_port: int, github_api_url: str | None) -> None:
+def main(namespaces: list[str], http_host: str, http_port: int, settings: OperatorSettings) -> None:
     """Blocking entry point of the CLI."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    settings = OperatorSettings(github_api_url=github_api_url)
     asyncio.run(run(namespaces, http_host, http_port, settings))

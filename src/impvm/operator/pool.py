@@ -28,15 +28,20 @@ from typing import Any
 
 from lightkube.core.exceptions import ApiError
 from lightkube.models.meta_v1 import ObjectMeta, OwnerReference
+from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Secret
 from lightkube.types import PatchType
 from prometheus_client import Counter
 
 from impvm.api.models import (
+    AGENT_FINALIZER,
+    AGENT_LEASE_NAMESPACE,
+    AGENT_LEASE_PREFIX,
     API_VERSION,
     DEMAND_ANNOTATION,
     JIT_SECRET_KEY,
     POOL_LABEL,
+    TERMINAL_PHASES,
     ImpVM,
     ImpVMClass,
     ImpVMRunnerPool,
@@ -79,6 +84,7 @@ from impvm.scaling import (
 )
 from impvm.scaling.jobtable import PoolScope
 from impvm.scaling.labels import PoolKey as LabelPoolKey
+from impvm.scaling.nodes import NodeLease, lost_nodes, node_lost
 
 log = logging.getLogger("impvm.operator.pool")
 
@@ -170,8 +176,9 @@ class PoolReconciler:
         await self._register(key, obs)
         # 2. GitHub: credentials, then runners (before VMs: see impvm.scaling ordering rule)
         await self._observe_github(key, obs, conditions)
-        # 3. the pool's VMs and their Secrets
+        # 3. the pool's VMs and their Secrets; VMs stranded on lost nodes
         await self._observe_vms(obs)
+        await self._release_lost_nodes(obs)
         # 4. demand
         queued = await self._observe_demand(key, obs, conditions)
 
@@ -347,6 +354,62 @@ class PoolReconciler:
         raw = (sec.data or {}).get(WEBHOOK_SECRET_KEY)
         if raw:
             mem.webhook_secret = base64.b64decode(raw).decode()
+
+    async def _release_lost_nodes(self, obs: Observed) -> None:
+        """VMs bound to a node whose agent's Lease expired (``nodeLostGraceSeconds`` past its
+        duration) can never progress: mark a live one Failed (NodeLost) so it is replaced, and
+        release the agent finalizer of one being deleted so the deletion completes."""
+        bound = [o for o in obs.vms if o["spec"].get("nodeName")]
+        if not bound:
+            return
+        leases = [
+            NodeLease(
+                node=(lease.spec.holderIdentity if lease.spec else None) or "",
+                renewed_at=lease.spec.renewTime if lease.spec else None,
+                duration_seconds=(lease.spec.leaseDurationSeconds if lease.spec else None) or 40,
+            )
+            async for lease in self.ctx.kube.list(Lease, namespace=AGENT_LEASE_NAMESPACE)
+            if lease.metadata and (lease.metadata.name or "").startswith(AGENT_LEASE_PREFIX)
+        ]
+        lost = lost_nodes(leases, _now(), self.ctx.settings.node_lost_grace_seconds)
+        known = {lease.node for lease in leases}
+        for o in bound:
+            meta, node = o["metadata"], o["spec"]["nodeName"]
+            if not node_lost(node, known, lost):
+                continue
+            phase = (o.get("status") or {}).get("phase")
+            try:
+                if meta.get("deletionTimestamp"):
+                    fins = meta.get("finalizers") or []
+                    if AGENT_FINALIZER in fins:
+                        await self.ctx.kube.patch(
+                            ImpVMResource,
+                            meta["name"],
+                            {
+                                "metadata": {
+                                    "resourceVersion": meta["resourceVersion"],
+                                    "finalizers": [f for f in fins if f != AGENT_FINALIZER],
+                                }
+                            },
+                            namespace=meta["namespace"],
+                            patch_type=PatchType.MERGE,
+                        )
+                        await self._event(
+                            obs, "NodeLost", f"{meta['name']}: node {node} lost; VM released"
+                        )
+                elif phase not in TERMINAL_PHASES:
+                    status = {
+                        "phase": "Failed",
+                        "exitReason": "NodeLost",
+                        "finishedAt": _ts(_now()),
+                        "message": f"the agent of node {node} stopped renewing its Lease",
+                    }
+                    await self._patch_vm_status(meta["namespace"], meta["name"], status)
+                    o.setdefault("status", {}).update(status)
+                    await self._event(obs, "NodeLost", f"{meta['name']}: node {node} lost", True)
+            except ApiError as e:
+                if e.status.code not in (404, 409):
+                    raise
 
     async def _observe_demand(
         self, key: PoolKey, obs: Observed, conditions: cond.ConditionSet
