@@ -36,9 +36,10 @@ if ! cmp -s constraints.txt .venv/.constraints 2>/dev/null || ! cmp -s pyproject
   cp pyproject.toml .venv/.pyproject
 fi
 
-if [[ -f tools/npm/package-lock.json ]] && ! cmp -s tools/npm/package-lock.json tools/npm/node_modules/.package-lock.json 2>/dev/null; then
+if [[ -f tools/npm/package-lock.json ]] && ! cmp -s tools/npm/package-lock.json tools/npm/node_modules/.impvm-installed 2>/dev/null; then
   log "installing npm fixtures"
   npm ci --prefix tools/npm --no-audit --no-fund --loglevel=error >&2
+  cp tools/npm/package-lock.json tools/npm/node_modules/.impvm-installed
 fi
 
 if [[ -z "${KUBEBUILDER_ASSETS:-}" ]]; then
