@@ -86,7 +86,7 @@ def agent(
     node_name: Annotated[
         str | None, typer.Option(help="Node name (default: $NODE_NAME or the host name).")
     ] = None,
-    runtime: Annotated[str, typer.Option(help="VM runtime: process.")] = "process",
+    runtime: Annotated[str, typer.Option(help="VM runtime: process or qemu.")] = "process",
     vcpu: Annotated[int | None, typer.Option(help="vCPUs offered (default: all).")] = None,
     memory_mib: Annotated[
         int | None, typer.Option(help="Memory offered in MiB (default: all).")
@@ -105,6 +105,13 @@ def agent(
     lease_namespace: Annotated[str, typer.Option(help="Namespace of agent Leases.")] = (
         "impvm-system"
     ),
+    qemu_kernel: Annotated[
+        Path | None,
+        typer.Option(help="qemu runtime: guest kernel (default: newest usable /boot/vmlinuz-*)."),
+    ] = None,
+    qemu_accelerator: Annotated[
+        str, typer.Option(help="qemu runtime: auto (probe KVM, else TCG), kvm or tcg.")
+    ] = "auto",
 ) -> None:
     """Run the node agent: claim ImpVMs for this node and run them."""
     import os
@@ -122,6 +129,8 @@ def agent(
         insecure_registry or [],
         bind_ro or [],
         lease_namespace,
+        qemu_kernel,
+        qemu_accelerator,
     )
 
 

@@ -14,7 +14,10 @@ from impvm.agent.agent import Agent, AgentConfig
 from impvm.agent.capacity import Resources
 from impvm.agent.images import ImageStore
 from impvm.agent.process import ProcessRuntime
+from impvm.agent.qemu import QemuRuntime, create_qemu_runtime
 from impvm.agent.runtime import Runtime
+
+log = logging.getLogger("impvm.agent")
 
 
 def default_node_name() -> str:
@@ -37,13 +40,41 @@ def make_runtime(
     image_cache_bytes: int,
     insecure_registries: set[str],
     ro_binds: list[Path],
+    qemu_kernel: Path | None = None,
+    qemu_accelerator: str = "auto",
 ) -> Runtime:
-    """The runtime called ``name`` (``process``; ``qemu`` arrives with the microVM issue).
-    Raises ``ValueError`` for an unknown or unavailable runtime."""
+    """The runtime called ``name``: ``process`` (bubblewrap) or ``qemu`` (a VM per job; finds the
+    kernel, builds the guest initramfs and probes the accelerator with real boots, which takes
+    seconds). ``qemu_accelerator``: ``auto``, ``kvm`` or ``tcg``. Raises ``ValueError`` for an
+    unknown or unavailable runtime (the message says why)."""
     store = ImageStore(workdir / "images", image_cache_bytes, insecure_registries)
     if name == "process":
         return ProcessRuntime(store, extra_ro_binds=ro_binds)
-    raise ValueError(f"runtime {name!r} is not available (known: process)")
+    if name == "qemu":
+        if qemu_accelerator not in ("auto", "kvm", "tcg"):
+            raise ValueError(f"accelerator {qemu_accelerator!r}: want auto, kvm or tcg")
+        from impvm.agent.runtime import RuntimeError_
+
+        try:
+            rt = asyncio.run(
+                create_qemu_runtime(
+                    store,
+                    workdir / "qemu",
+                    kernel=qemu_kernel,
+                    accelerator=qemu_accelerator,  # type: ignore[arg-type]
+                    extra_ro_binds=ro_binds,
+                )
+            )
+        except RuntimeError_ as exc:
+            raise ValueError(f"runtime 'qemu' is not available: {exc}") from None
+        log.info(
+            "qemu runtime: kernel %s, accelerator %s (%s)",
+            rt.kernel.path,
+            rt.accel,
+            rt.accel.reason,
+        )
+        return rt
+    raise ValueError(f"runtime {name!r} is not available (known: process, qemu)")
 
 
 async def run(config: AgentConfig, runtime: Runtime) -> None:
@@ -65,17 +96,26 @@ def main(
     insecure_registries: list[str],
     ro_binds: list[Path],
     lease_namespace: str,
+    qemu_kernel: Path | None = None,
+    qemu_accelerator: str = "auto",
 ) -> None:
     """Blocking entry point of the CLI."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
     runtime = make_runtime(
-        runtime_name, workdir, image_cache_mib * 1024 * 1024, set(insecure_registries), ro_binds
+        runtime_name,
+        workdir,
+        image_cache_mib * 1024 * 1024,
+        set(insecure_registries),
+        ro_binds,
+        qemu_kernel,
+        qemu_accelerator,
     )
     config = AgentConfig(
         node_name=node_name,
         capacity=Resources(vcpu, memory_mib),
         workdir=workdir,
         lease_namespace=lease_namespace,
+        accelerator=str(runtime.accel) if isinstance(runtime, QemuRuntime) else "none",
     )
     asyncio.run(run(config, runtime))

@@ -179,6 +179,9 @@ class Stack:
 
         self.standin = StandIn()
         await self.standin.start()
+        if self.config.runtime == "qemu":
+            # QEMU user-mode networking: the guest reaches the host's loopback as 10.0.2.2
+            self.standin.state.runner_base_url = f"http://10.0.2.2:{self.standin.port}"
         self._seed_github()
 
         self.registry = LocalRegistry(storage_dir=wd / "registry")

@@ -198,6 +198,9 @@ class StandInState:
     ``add_*`` methods. Times are epoch seconds."""
 
     base_url: str = "http://127.0.0.1"
+    #: base URL runners use (the JIT config's serverUrl), when it differs from ``base_url``:
+    #: a QEMU guest reaches the host's loopback as 10.0.2.2
+    runner_base_url: str | None = None
     token_ttl: float = 3600.0
     apps: dict[int, App] = field(default_factory=dict)
     installations: dict[int, Installation] = field(default_factory=dict)
@@ -649,7 +652,7 @@ class StandInState:
             "agentName": runner.name,
             "poolId": runner.group_id,
             "poolName": self.runner_groups.get(runner.group_id, RunnerGroup(1, "", "Default")).name,
-            "serverUrl": self.api("/_standin/runner"),
+            "serverUrl": (self.runner_base_url or self.base_url).rstrip("/") + "/_standin/runner",
             "gitHubUrl": f"https://github.com/{scope}",
             "workFolder": runner.work_folder,
             "ephemeral": True,

@@ -1,0 +1,34 @@
+"""The end-to-end pool test (tests/e2e) with the ``qemu`` runtime: every job runs in a real booted
+VM. The guest reaches the GitHub stand-in on the host's loopback as 10.0.2.2 (user-mode
+networking), so the stack gives the stand-in's runner URL (the JIT config's ``serverUrl``) that
+address."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from impvm.devstack.stack import Stack, StackConfig
+from tests.e2e import test_pool_e2e as e2e
+
+pytestmark = [pytest.mark.controlplane]
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    s = Stack(StackConfig(workdir=tmp_path / "stack", runtime="qemu", polling_interval_seconds=5))
+    try:
+        await s.start()
+        yield s
+    finally:
+        await s.stop()
+
+
+@pytest.mark.timeout(900)
+async def test_seed_example_on_qemu_vms(stack: Stack) -> None:
+    await e2e.test_seed_example_runs_jobs_each_on_its_own_vm(stack)
+    # every job ran in a booted VM: the agent's VMs reported their kernel on the console
+    logs = stack.logs()
+    assert "qemu runtime: kernel" in logs
