@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Event, Secret
@@ -154,6 +155,13 @@ async def test_seed_example_runs_jobs_each_on_its_own_vm(stack: Stack) -> None:
     haystack += [repr(v) for v in await stack.vms()]
     haystack += [repr(e.to_dict()) async for e in kube.list(Event, namespace=NAMESPACE)]
     haystack.append(repr(await stack.pool_status()))
+    async with httpx.AsyncClient() as http:
+        metrics = (await http.get(f"http://127.0.0.1:{stack.operator_http_port}/metrics")).text
+        health = await http.get(f"http://127.0.0.1:{stack.operator_http_port}/healthz")
+    assert health.status_code == 200
+    assert 'impvm_pool_vms{namespace="default",pool="ci-pool",state="idle"} 1.0' in metrics
+    assert "impvm_github_api_calls_total" in metrics and "impvm_vms_created_total" in metrics
+    haystack.append(metrics)
     text = "\n".join(haystack)
     for s in [*secrets, *key_lines]:
         assert s not in text

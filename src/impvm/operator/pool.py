@@ -31,7 +31,7 @@ from lightkube.models.meta_v1 import ObjectMeta, OwnerReference
 from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Secret
 from lightkube.types import PatchType
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from impvm.api.models import (
     AGENT_FINALIZER,
@@ -89,6 +89,12 @@ from impvm.scaling.nodes import NodeLease, lost_nodes, node_lost
 log = logging.getLogger("impvm.operator.pool")
 
 POLL_CALLS = Counter("impvm_poll_api_calls_total", "GitHub requests made by job polling.")
+POOL_VMS = Gauge("impvm_pool_vms", "VMs of a pool by state.", ["namespace", "pool", "state"])
+POOL_DESIRED = Gauge("impvm_pool_desired_vms", "VMs a pool wants.", ["namespace", "pool"])
+POOL_PENDING = Gauge(
+    "impvm_pool_pending_jobs", "Queued jobs routed to a pool, no runner yet.", ["namespace", "pool"]
+)
+VMS_CREATED = Counter("impvm_vms_created_total", "ImpVMs created.", ["namespace", "pool"])
 #: Key of the webhook secret in the Secret named by scaling.webhook.secretRef (DESIGN.md).
 WEBHOOK_SECRET_KEY = "webhook_secret"
 
@@ -815,6 +821,16 @@ class PoolReconciler:
             )
             if created:
                 status["lastScaleUpTime"] = _ts(_now())
+                VMS_CREATED.labels(*key).inc(created)
+            for state, n in (
+                ("starting", c.starting + created),
+                ("idle", c.idle),
+                ("busy", c.busy),
+                ("terminating", c.terminating),
+            ):
+                POOL_VMS.labels(key[0], key[1], state).set(n)
+            POOL_DESIRED.labels(*key).set(c.desired)
+            POOL_PENDING.labels(*key).set(c.pending)
             if obs.last_poll is not None:
                 status["lastPoll"] = obs.last_poll
             if obs.failure is not None:
