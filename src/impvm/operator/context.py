@@ -54,6 +54,8 @@ class PoolMemory:
     queued_jobs: int = 0
     #: runners busy at the last poll: when this changes a queued job was taken, so re-poll
     busy_at_poll: frozenset[str] = frozenset()
+    #: ((org, group name), group id, valid until) of the last runner-group lookup
+    runner_group: tuple[tuple[str, str | None], int, float] | None = None
     #: the pool as job routing sees it, and its webhook secret (webhook/hybrid modes)
     scope: PoolScope | None = None
     webhook_secret: str | None = field(default=None, repr=False)
@@ -75,6 +77,8 @@ class OperatorSettings:
     #: below this share of the rate-limit budget, polling (non-essential) pauses; JIT minting
     #: (essential) goes on
     poll_budget_floor: float = 0.2
+    #: seconds a resolved runner-group id is reused
+    runner_group_ttl: float = 300.0
     #: seconds past an agent Lease's duration before its node's VMs are given up
     node_lost_grace_seconds: float = 60.0
 

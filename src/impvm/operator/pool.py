@@ -646,7 +646,7 @@ class PoolReconciler:
                 if obs.runners is not None:  # else this pass's status sync records the old id
                     obs.runners = [r for r in obs.runners if r.id != stale_runner_id]
             if obs.scope.org is not None:
-                group = await obs.github.runner_group_id(obs.scope.org, platform.runner_group)
+                group = await self._runner_group(key, obs, platform.runner_group)
             else:
                 group = REPO_RUNNER_GROUP_ID
             jit = await obs.github.generate_jitconfig(
@@ -699,6 +699,19 @@ class PoolReconciler:
             ns, vm_name, {"runner": {"id": jit.runner_id, "name": jit.runner_name}}
         )
         return True
+
+    async def _runner_group(self, key: PoolKey, obs: Observed, name: str | None) -> int:
+        """The org runner group id (paginated lookup), cached per pool for
+        ``runner_group_ttl_seconds``: it is needed for every JIT config and rarely changes."""
+        assert obs.github is not None and obs.scope is not None and obs.scope.org is not None
+        mem = self.ctx.pool(key)
+        now = self.ctx.clock()
+        cached = mem.runner_group
+        if cached and cached[0] == (obs.scope.org, name) and now < cached[2]:
+            return cached[1]
+        gid = await obs.github.runner_group_id(obs.scope.org, name)
+        mem.runner_group = ((obs.scope.org, name), gid, now + self.ctx.settings.runner_group_ttl)
+        return gid
 
     async def _record_secret(self, obs: Observed, vm: dict[str, Any], sname: str) -> None:
         """Record the Secret's name in ``spec.runnerConfigSecret`` (seed 000 step 5), also in
@@ -847,6 +860,13 @@ class PoolReconciler:
                     f"{c.idle} idle, {c.busy} busy, {c.starting + created} starting; "
                     f"desired {c.desired}",
                 )
+        stored = obs.raw.get("status") or {}
+        if (
+            all(stored.get(k) == v for k, v in status.items() if k != "lastPoll")
+            and (conditions.merged_into(stored.get("conditions") or []) == stored.get("conditions"))
+            and "lastPoll" not in status
+        ):
+            return  # nothing changed: no write, no watch event for every other client
         # Other writers (the reaper) own other condition types: merge ours into what is stored
         # now, guarded by resourceVersion, and retry on a conflict.
         for _ in range(5):
