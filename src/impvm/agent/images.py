@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from impvm.agent.runtime import ImageError
+from impvm.agent.tools import run_tool
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _POLICY = '{"default": [{"type": "insecureAcceptAnything"}]}\n'
@@ -311,17 +312,7 @@ class ImageStore:
         return [f"--{flag}=false"] if ref.registry in self.insecure_registries else []
 
     async def _run(self, what: str, *args: str) -> bytes:
-        proc = await asyncio.create_subprocess_exec(
-            *args,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await proc.communicate()
-        if proc.returncode != 0:
-            msg = err.decode(errors="replace").strip()[-1000:]
-            raise ImageError(f"{what} failed (exit {proc.returncode}): {msg}")
-        return out
+        return await run_tool(what, *args, error=ImageError)
 
     async def _resolve(self, image: str, allow_unpinned: bool, auth_file: Path | None) -> str:
         """Return the verified manifest digest of ``image``.

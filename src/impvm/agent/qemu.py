@@ -70,6 +70,7 @@ from impvm.agent.qemu_accel import (
 )
 from impvm.agent.qemu_guest import GuestAssetError, Kernel, build_initramfs, find_kernel
 from impvm.agent.runtime import ImageError, RuntimeError_, Secret, VMRequest, VMState, VMStatus
+from impvm.agent.tools import run_tool
 
 _LOG = "console.log"
 _STATUS = "status.log"
@@ -525,16 +526,7 @@ def _pipe_with(data: bytes, fds: list[int]) -> int:
 
 
 async def _run(what: str, *args: str) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        *args,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await proc.communicate()
-    if proc.returncode != 0:
-        msg = out.decode(errors="replace").strip()[-1000:]
-        raise ImageError(f"{what} failed (exit {proc.returncode}): {msg}")
+    await run_tool(what, *args, error=ImageError)
 
 
 async def create_qemu_runtime(

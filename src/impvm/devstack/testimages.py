@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from impvm.agent.tools import run_tool
+
 RUNNER_UID = 10001
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -65,19 +67,7 @@ def default_run_sh(python: str | None = None) -> str:
 
 
 async def _run(*args: str) -> bytes:
-    proc = await asyncio.create_subprocess_exec(
-        *args,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise ImageBuildError(
-            f"{args[0]} {args[1]} failed ({proc.returncode}): "
-            f"{err.decode(errors='replace')[-1500:]}"
-        )
-    return out
+    return await run_tool(" ".join(args[:2]), *args, error=ImageBuildError)
 
 
 def _write(path: Path, data: bytes | str, mode: int) -> None:
