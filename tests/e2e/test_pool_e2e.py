@@ -228,6 +228,16 @@ async def test_lost_agent_releases_its_vms_and_pool_deletion_removes_registratio
     # lease duration 40 s + grace 5 s, then a pass
     await wait_for("VM of the lost node replaced on node-2", replaced_on_node_2, 150, stack)
 
+    # node-1's agent comes back: it removes what its killed run left for the released VM
+    stale_dir = stack.config.workdir / "agent-node-1" / "vms"
+    assert any(stale_dir.iterdir())
+    stack.start_agent("node-1")
+
+    async def swept() -> bool:
+        return not any(stale_dir.iterdir())
+
+    await wait_for("stale VM state swept by the restarted agent", swept, 60, stack)
+
     kube = stack.kube
     assert kube is not None
     await kube.delete(ImpVMRunnerPoolResource, "ci-pool", namespace=NAMESPACE)

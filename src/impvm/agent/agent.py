@@ -108,6 +108,7 @@ class Agent:
         while True:  # the API server may still be starting (e.g. a just-installed CRD)
             try:
                 await self._renew_lease()
+                await self._sweep_stale()
                 await self._resync()
                 break
             except ApiError as e:
@@ -128,6 +129,41 @@ class Agent:
             await asyncio.gather(
                 *tasks, *(w.task for w in self._workers.values()), return_exceptions=True
             )
+
+    async def _sweep_stale(self) -> None:
+        """At start, clean up what a previous run of this agent left: the per-VM state of every
+        VM that no longer exists or is no longer bound here (its runtime died with the old agent,
+        or the operator released it when this node was lost)."""
+        vms_dir = self.config.workdir / "vms"
+        if not vms_dir.is_dir():
+            return
+        live: dict[str, tuple[ImpVM, dict[str, Any]]] = {}
+        async for raw in self.client.list(ImpVMResource, namespace="*"):
+            obj = raw.to_dict()
+            vm = ImpVM.model_validate(obj)
+            if vm.spec.node_name == self.config.node_name:
+                req = self._request(vm, obj["metadata"])
+                live[req.vm_id] = (vm, obj["metadata"])
+        for d in sorted(vms_dir.iterdir()):
+            if d.name in live:
+                continue
+            ns, _, rest = d.name.partition(".")  # vm_id: <namespace>.<name>.<uid[:8]>
+            name = rest.rsplit(".", 1)[0]
+            stale = VMRequest(
+                vm_id=d.name,
+                name=name,
+                namespace=ns,
+                image="",
+                runner_layer=None,
+                allow_unpinned_images=False,
+                vcpu=1,
+                memory_mib=0,
+                disk_gib=0,
+                workdir=d,
+            )
+            log.info("removing state of VM %s left by a previous agent run", d.name)
+            await self.runtime.stop(stale, 0.0)
+            await self.runtime.cleanup(stale)
 
     async def _lease_loop(self) -> None:
         while True:
