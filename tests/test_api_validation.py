@@ -172,6 +172,31 @@ POOL_CASES: list[tuple[str, str, Any, list[str]]] = [
     ("expireAfter-short", "spec.expireAfter", "30s", ["expireAfter", "60s"]),
     ("runnerLayer-tag", "spec.runnerLayer", "ghcr.io/x/runner:latest", ["runnerLayer", "digest"]),
     ("scaleUpStep-zero", "spec.scaling.scaleUpStep", 0, ["spec.scaling.scaleUpStep"]),
+    ("label-comma", "spec.labels", ["a,b"], ["spec.labels[0]"]),
+    ("label-space", "spec.labels", [" "], ["spec.labels[0]"]),
+    ("label-newline", "spec.labels", ["x\ny"], ["spec.labels[0]"]),
+    ("label-duplicate", "spec.labels", ["imp", "imp"], ["spec.labels[1]", "Duplicate"]),
+    ("repo-dotdot", "spec.platform.scope", {"repo": "my-org/.."}, ["scope.repo"]),
+    ("templateName-bad", "spec.templateName", "Not_A_Name", ["spec.templateName"]),
+    (
+        "credentialsSecret-bad",
+        "spec.platform.credentialsSecret",
+        "../etc",
+        ["spec.platform.credentialsSecret"],
+    ),
+    (
+        "serverURL-http",
+        "spec.platform.serverURL",
+        "http://ghe.example.com",
+        ["spec.platform.serverURL"],
+    ),
+    ("polling-disabled", "spec.scaling.polling", {"enabled": False}, ["scaling.polling.enabled"]),
+    (
+        "reaper-interval-huge",
+        "spec.reaper",
+        {"enabled": True, "intervalSeconds": 2**62},
+        ["spec.reaper.intervalSeconds"],
+    ),
     ("minIdle-negative", "spec.scaling.minIdle", -1, ["spec.scaling.minIdle"]),
 ]
 

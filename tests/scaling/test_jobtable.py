@@ -120,3 +120,16 @@ def test_state_never_moves_back(statuses: list[str]) -> None:
             assert got is None
         else:
             assert got is not None and rank[got.status] == best
+
+
+def test_webhook_job_only_feeds_the_pools_that_verified_it() -> None:
+    t = JobTable()
+    only_big = job(1, allowed=frozenset({("ns", "big")}))
+    t.apply(only_big)
+    assert route(t.jobs[1], POOLS) == BIG.key  # SMALL would fit tighter but did not verify it
+    assert t.pending(SMALL.key, POOLS) == 0 and t.pending(BIG.key, POOLS) == 1
+    t.apply(job(2, allowed=frozenset({("other", "pool")})))
+    assert route(t.jobs[2], POOLS) is None
+    # the same job seen by a poll (GitHub's own answer) may go anywhere
+    t.apply(job(2))
+    assert route(t.jobs[2], POOLS) == SMALL.key

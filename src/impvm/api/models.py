@@ -212,6 +212,11 @@ class PlatformScope(ApiModel):
             "has(self.org) != has(self.repo)",
             "platform.scope: exactly one of org or repo must be set",
         ),
+        cel(
+            "!has(self.repo) || !(self.repo.endsWith('/.') || self.repo.endsWith('/..'))",
+            "platform.scope.repo: '.' and '..' are not repository names",
+            ".repo",
+        ),
     ]
 
     org: str | None = Field(
@@ -252,6 +257,7 @@ class Platform(ApiModel):
     credentials_secret: str = Field(
         min_length=1,
         max_length=253,
+        pattern=NAME_PATTERN,
         description="Secret with github_app_id, github_app_installation_id, "
         "github_app_private_key (github_app) or github_token (pat).",
     )
@@ -262,9 +268,10 @@ class Platform(ApiModel):
     server_url: str | None = Field(
         default=None,
         alias="serverURL",
-        pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
+        pattern=r"^https://[^\s/]+(/[^\s]*)?$",
         max_length=512,
-        description="GitHub Enterprise Server URL (https://HOST); the API is HOST/api/v3. "
+        description="GitHub Enterprise Server URL (https://HOST, TLS only: tokens travel on it); "
+        "the API is HOST/api/v3. "
         "Default: github.com.",
     )
 
@@ -307,6 +314,12 @@ class ScalingSpec(ApiModel):
             ".polling",
         ),
         cel(
+            "self.mode != 'polling' || !has(self.polling) || self.polling.enabled",
+            "scaling.polling.enabled must be true when scaling.mode is polling (the pool would "
+            "never see a job)",
+            ".polling",
+        ),
+        cel(
             "!(self.mode in ['webhook', 'hybrid']) || "
             "(has(self.webhook) && has(self.webhook.secretRef))",
             "scaling.webhook.secretRef is required when scaling.mode is webhook or hybrid",
@@ -345,15 +358,17 @@ class ReaperSpec(ApiModel):
     max_job_seconds: int = Field(
         default=21600,
         ge=60,
+        le=30 * 86400,
         description="A job running longer than this (seconds) has its runner removed.",
     )
     completed_grace_seconds: int = Field(
         default=300,
         ge=0,
+        le=86400,
         description="Seconds a run/job must have been completed before its runner is removed.",
     )
     interval_seconds: int = Field(
-        default=300, ge=10, description="Seconds between reaper passes for this pool."
+        default=300, ge=10, le=86400, description="Seconds between reaper passes for this pool."
     )
     dry_run: bool = Field(default=False, description="Log 'would delete' and delete nothing.")
 
@@ -380,14 +395,27 @@ class ImpVMRunnerPoolSpec(ApiModel):
     ]
 
     template_name: str = Field(
-        min_length=1, max_length=253, description="ImpVMTemplate giving base image and class."
+        min_length=1,
+        max_length=253,
+        pattern=NAME_PATTERN,
+        description="ImpVMTemplate giving base image and class.",
     )
     labels: list[str] = Field(
         default_factory=list,
         max_length=100,
         description="Runner labels passed to GitHub in the JIT request (besides self-hosted); a "
         "job runs here only if all its labels are in this set.",
-        json_schema_extra={"items": {"type": "string", "minLength": 1, "maxLength": 256}},
+        json_schema_extra={
+            # GitHub runner labels: no commas (runs-on lists), no whitespace or control
+            # characters; each label once
+            "items": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": 256,
+                "pattern": r"^[^,\s\x00-\x1f]+$",
+            },
+            "x-kubernetes-list-type": "set",
+        },
     )
     platform: Platform
     runner_layer: str | None = Field(

@@ -9,6 +9,7 @@ the service-account signing key are generated per start with ``cryptography``.
 
 from __future__ import annotations
 
+import atexit
 import datetime as dt
 import ipaddress
 import os
@@ -269,6 +270,7 @@ class ControlPlane:
     def start(self) -> ControlPlane:
         """Start etcd, kube-apiserver and kube-controller-manager; return self when ready."""
         assets = self.assets = self.assets or find_assets()
+        atexit.register(self.stop)  # never leave etcd/kube-apiserver running behind a crash
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._write_pki()
         pki = self.workdir / "pki"

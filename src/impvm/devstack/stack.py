@@ -12,7 +12,9 @@ by the pushed digests.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import base64
+import contextlib
 import os
 import signal
 import subprocess
@@ -168,6 +170,8 @@ class Stack:
         """Start every piece; raises on the first failure (call :meth:`stop` to clean up)."""
         wd = self.config.workdir
         wd.mkdir(parents=True, exist_ok=True)
+        # a caller that dies without stop() must not leave the operator/agent behind
+        atexit.register(self._kill_processes)
         self.control_plane = ControlPlane(workdir=wd / "controlplane")
         await asyncio.to_thread(self.control_plane.start)
         await asyncio.to_thread(install_crds, admin_client(self.control_plane.kubeconfig))
@@ -404,6 +408,11 @@ class Stack:
             ],
             "operator",
         )
+
+    def _kill_processes(self) -> None:
+        for name in list(self.procs):
+            with contextlib.suppress(Exception):
+                self.kill(name)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Kill one process (``operator`` or ``agent-<node>``) and wait for it."""

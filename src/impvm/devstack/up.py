@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import signal
 import sys
 import tempfile
@@ -97,9 +98,23 @@ async def _run(
 ) -> int:
     stack = Stack(StackConfig(workdir=workdir, runtime=runtime, polling_interval_seconds=5))
     console.print(f"starting the embedded stack in {workdir} (runtime {runtime})")
-    try:
-        await stack.start()
-    except Exception as e:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before starting: Ctrl-C during start-up works
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(stack.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        console.print("impvm dev up: interrupted while starting; stopping the stack")
+        await stack.stop()
+        return 130
+    stopping.cancel()
+    if starting.exception() is not None:
+        e = starting.exception()
         console.print(f"impvm dev up: the stack did not start: {type(e).__name__}: {e}")
         await stack.stop()
         return 1
@@ -111,10 +126,6 @@ async def _run(
         f"GitHub stand-in {stack.standin.url}  operator http://127.0.0.1:"
         f"{stack.operator_http_port}/metrics  logs in {workdir}/*.log"
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     job_ids: list[int] = []
     started = time.monotonic()
     code = 0
@@ -155,6 +166,9 @@ async def _run(
         console.print(f"impvm dev up: {e}")
         code = 1
     finally:
+        if stop.is_set() and until_done and code == 0:
+            console.print("impvm dev up: interrupted before the jobs were done")
+            code = 130
         console.print("stopping the stack")
         await stack.stop()
     return code
@@ -171,4 +185,9 @@ def run(
     console = Console()
     if not console.is_terminal:
         console = Console(width=160, soft_wrap=True)
-    return asyncio.run(_run(runtime, jobs, until_done, base, timeout, console))
+    try:
+        return asyncio.run(_run(runtime, jobs, until_done, base, timeout, console))
+    finally:
+        if not workdir:
+            # etcd's data holds the App private key and JIT Secrets: never leave it behind
+            shutil.rmtree(base, ignore_errors=True)

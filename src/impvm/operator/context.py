@@ -77,6 +77,8 @@ class OperatorSettings:
     #: below this share of the rate-limit budget, polling (non-essential) pauses; JIT minting
     #: (essential) goes on
     poll_budget_floor: float = 0.2
+    #: seconds between the reconciliation polls of a webhook-mode pool
+    webhook_resync_seconds: float = 300.0
     #: seconds a resolved runner-group id is reused
     runner_group_ttl: float = 300.0
     #: seconds past an agent Lease's duration before its node's VMs are given up

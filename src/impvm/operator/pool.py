@@ -423,8 +423,9 @@ class PoolReconciler:
         """Queued jobs routed to this pool, from the job table (fed by webhooks and polls).
 
         Polls in polling/hybrid mode every ``intervalSeconds`` (sooner when a runner became busy:
-        a queued job was taken), and once at start in webhook mode so an operator restart loses
-        no job. Polling is non-essential: it pauses while the rate-limit budget is low."""
+        a queued job was taken); in webhook mode at start (an operator restart loses no job) and
+        every ``webhook_resync_seconds`` (stale jobs are swept). Polling is non-essential: it
+        pauses while the rate-limit budget is low."""
         mem = self.ctx.pool(key)
         scaling = obs.pool.spec.scaling
         polling = scaling.polling if scaling else None
@@ -435,8 +436,13 @@ class PoolReconciler:
         interval = polling.interval_seconds if polling else 0
         now = self.ctx.clock()
         busy = frozenset(r.name for r in obs.runners or () if r.busy)
-        due = not mem.last_poll or (
-            periodic and (now - mem.last_poll >= interval or not busy <= mem.busy_at_poll)
+        # webhook mode still polls now and then: a queued job whose later deliveries were lost
+        # (cancelled, say) must not keep a VM forever; hybrid/polling poll every interval
+        resync = self.ctx.settings.webhook_resync_seconds
+        due = (
+            not mem.last_poll
+            or (periodic and (now - mem.last_poll >= interval or not busy <= mem.busy_at_poll))
+            or (mode == "webhook" and now - mem.last_poll >= resync)
         )
         if due and obs.github is not None and obs.scope is not None and obs.github_error is None:
             if self._budget_low(obs, conditions):

@@ -56,15 +56,23 @@ class WebhookReceiver:
         """Verify, parse and record one delivery."""
         body = await request.read()
         signature = request.headers.get(SIGNATURE_HEADER)
-        secrets = {m.webhook_secret for m in self.ctx.pools.values() if m.webhook_secret}
-        if not signature or not any(signature_is_valid(s, body, signature) for s in secrets):
+        # a delivery feeds only the pools whose own webhook secret verifies it: one namespace's
+        # secret cannot create demand for another namespace's pools
+        verified = frozenset(
+            key
+            for key, m in self.ctx.pools.items()
+            if m.webhook_secret
+            and signature
+            and signature_is_valid(m.webhook_secret, body, signature)
+        )
+        if not verified:
             return self._answer(401, "signature missing or invalid")
         event = request.headers.get(EVENT_HEADER, "")
         if not event:
             return self._answer(400, f"missing {EVENT_HEADER} header")
         try:
             payload = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: absurdly nested JSON
             payload = None
         if not isinstance(payload, dict):
             return self._answer(400, "body is not a JSON object")
@@ -88,6 +96,7 @@ class WebhookReceiver:
             runner_name=parsed.runner_name,
             started_at=parsed.started_at if parsed.action != "queued" else None,
             completed_at=parsed.completed_at,
+            allowed=verified,
         )
         recorded = self.ctx.jobs.apply(job)
         if recorded is None:

@@ -58,6 +58,9 @@ class Job:
     runner_name: str | None = None
     started_at: datetime | None = None
     completed_at: datetime | None = None
+    #: ``(namespace, name)`` of the pools a webhook delivery may feed (those whose webhook
+    #: secret verified it); None = any pool (GitHub's own answer, from a poll)
+    allowed: frozenset[tuple[str, str]] | None = None
 
     @property
     def queued(self) -> bool:
@@ -66,7 +69,12 @@ class Job:
 
 def route(job: Job, pools: Sequence[PoolScope]) -> PoolKey | None:
     """The pool ``job`` belongs to (None: no pool matches; counted as unmatched)."""
-    candidates = [p.key for p in pools if p.covers(job.repository)]
+    candidates = [
+        p.key
+        for p in pools
+        if p.covers(job.repository)
+        and (job.allowed is None or (p.key.namespace, p.key.name) in job.allowed)
+    ]
     return choose_pool(job.labels, candidates)
 
 
@@ -105,11 +113,17 @@ class JobTable:
             return None
         if old is not None:
             old_rank = _RANK[old.status]
-            if rank < old_rank or (rank == old_rank and job.runner_name in (None, old.runner_name)):
+            widened = old.allowed is not None and job.allowed != old.allowed
+            if rank < old_rank or (
+                rank == old_rank and job.runner_name in (None, old.runner_name) and not widened
+            ):
                 return None
             job = replace(
                 job,
                 seen_at=old.seen_at,
+                allowed=None
+                if job.allowed is None or old.allowed is None
+                else old.allowed | job.allowed,
                 labels=job.labels or old.labels,
                 runner_name=job.runner_name or old.runner_name,
                 started_at=job.started_at or old.started_at,
