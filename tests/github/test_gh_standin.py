@@ -261,3 +261,51 @@ def test_serve_runs_the_cli_entry(tmp_path: Any) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+async def test_a_runner_that_goes_silent_mid_job_goes_offline_and_its_job_fails() -> None:
+    """A runner process that dies mid-job stops heart-beating: after ``runner_timeout`` the
+    stand-in shows it offline and fails its job (as GitHub does), so nothing stays busy."""
+    import asyncio
+
+    import httpx as _httpx
+
+    from impvm.devstack.standin import StandIn
+    from impvm.devstack.standin.state import RunnerRec
+
+    s = StandIn()
+    await s.start()
+    try:
+        st = s.state
+        st.runner_timeout = 1.0
+        st.add_org("o")
+        st.add_repo("o/app")
+        rec = RunnerRec(
+            id=st.next_id(),
+            name="r1",
+            labels=["imp"],
+            group_id=1,
+            org="o",
+            repo=None,
+            session_token="sess_test",
+            work_folder="_work",
+        )
+        st.runners[rec.id] = rec
+        job = st.queue_job("o/app", ["self-hosted", "imp"], sleep_seconds=60)
+        base = f"{s.url}/_standin/runner"
+        h = {"Authorization": "Bearer sess_test"}
+        async with _httpx.AsyncClient(headers=h) as http:
+            (await http.post(f"{base}/session")).raise_for_status()
+            got = await http.post(f"{base}/acquire", json={"wait": 1})
+            assert got.status_code == 200 and got.json()["job"]["id"] == job.id
+            assert rec.busy and job.status == "in_progress"
+            (await http.post(f"{base}/heartbeat")).raise_for_status()
+        # the runner now "dies": no heartbeat
+        for _ in range(40):
+            await asyncio.sleep(0.1)
+            if rec.status == "offline":
+                break
+        assert rec.status == "offline" and not rec.busy
+        assert (job.status, job.conclusion) == ("completed", "failure")
+    finally:
+        await s.stop()

@@ -12,10 +12,12 @@ The JIT config and the session token are never printed.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -37,6 +39,15 @@ def decode_jitconfig(encoded: str) -> tuple[dict[str, Any], str]:
     except (ValueError, KeyError, TypeError):
         raise ValueError("malformed JIT config") from None
     return runner, token
+
+
+def _heartbeat(base: str, headers: dict[str, str], done: threading.Event) -> None:
+    """Tell the server every 5 s that the runner is alive while a job runs (GitHub fails the
+    job of a runner that goes silent)."""
+    with httpx.Client(headers=headers, timeout=10.0) as http:
+        while not done.wait(5.0):
+            with contextlib.suppress(httpx.HTTPError):
+                http.post(f"{base}/heartbeat")
 
 
 def run(encoded: str, idle_timeout: float = 0.0) -> int:
@@ -69,11 +80,20 @@ def run(encoded: str, idle_timeout: float = 0.0) -> int:
                     return 3
             print(f"standin-runner: {name} running job {job['id']}", flush=True)
             conclusion = "success"
-            if job.get("command"):
-                rc = subprocess.run([str(a) for a in job["command"]], check=False).returncode
-                conclusion = "success" if rc == 0 else "failure"
-            else:
-                time.sleep(float(job.get("sleep_seconds") or 0))
+            done = threading.Event()
+            beat = threading.Thread(target=_heartbeat, args=(base, headers, done), daemon=True)
+            beat.start()
+            try:
+                if job.get("command"):
+                    # job steps never see the runner's credentials (the JIT config)
+                    env = {k: v for k, v in os.environ.items() if k != JIT_ENV}
+                    argv = [str(a) for a in job["command"]]
+                    rc = subprocess.run(argv, check=False, env=env).returncode
+                    conclusion = "success" if rc == 0 else "failure"
+                else:
+                    time.sleep(float(job.get("sleep_seconds") or 0))
+            finally:
+                done.set()
             http.post(
                 f"{base}/jobs/{job['id']}/complete", json={"conclusion": conclusion}
             ).raise_for_status()

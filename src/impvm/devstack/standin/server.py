@@ -638,8 +638,42 @@ def _session_runner(request: web.Request) -> RunnerRec:
     _, _, token = request.headers.get("Authorization", "").partition(" ")
     for runner in state.runners.values():
         if token and runner.session_token == token:
+            runner.last_seen = time.time()
             return runner
     raise web.HTTPUnauthorized(text="unknown runner session")
+
+
+async def runner_heartbeat(request: web.Request) -> web.Response:
+    runner = _session_runner(request)
+    if runner.status != "online":
+        raise web.HTTPConflict(text="runner is offline")
+    return web.Response(status=204)
+
+
+def expire_runners(app: web.Application, now: float) -> None:
+    """Runners silent for ``runner_timeout`` go offline; a job one was running fails (a runner
+    that died mid-job: GitHub fails the job and shows the runner offline)."""
+    state = app[STATE_KEY]
+    for runner in list(state.runners.values()):
+        if runner.status != "online" or not runner.last_seen:
+            continue  # offline, or put online by a test without a session: not tracked
+        if now - runner.last_seen < state.runner_timeout:
+            continue
+        runner.status = "offline"
+        job = state.jobs.get(runner.job_id) if runner.job_id is not None else None
+        if runner.busy and job is not None and job.status == "in_progress":
+            job.status = "completed"
+            job.conclusion = "failure"
+            job.completed_at = now
+            state.sync_run(job.run_id)
+            emit_workflow_job(app, "completed", job)
+        runner.busy = False
+
+
+async def _expiry_loop(app: web.Application) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        expire_runners(app, time.time())
 
 
 async def runner_session(request: web.Request) -> web.Response:
@@ -665,6 +699,7 @@ async def runner_acquire(request: web.Request) -> web.Response:
     if runner.job_id is not None:
         return web.json_response({"error": "ephemeral runner already took a job"}, status=409)
     while True:
+        runner.last_seen = time.time()  # a long poll is contact
         for job in sorted(state.jobs.values(), key=lambda j: j.id):
             if job.status == "queued" and state.runner_can_take(runner, job):
                 group = state.runner_groups.get(runner.group_id)
@@ -850,6 +885,10 @@ def build_app(state: StandInState) -> web.Application:
     r.add_delete("/_standin/runner/session", runner_session_end)
     r.add_post("/_standin/runner/acquire", runner_acquire)
     r.add_post("/_standin/runner/jobs/{job_id}/complete", runner_complete)
+    r.add_post("/_standin/runner/heartbeat", runner_heartbeat)
+
+    async def _start_expiry(app: web.Application) -> None:
+        app[TASKS_KEY].add(asyncio.get_running_loop().create_task(_expiry_loop(app)))
 
     async def _cancel_tasks(app: web.Application) -> None:
         tasks: set[asyncio.Task[None]] = app[TASKS_KEY]
@@ -858,5 +897,6 @@ def build_app(state: StandInState) -> web.Application:
             with contextlib.suppress(BaseException):
                 await task
 
+    app.on_startup.append(_start_expiry)
     app.on_shutdown.append(_cancel_tasks)
     return app

@@ -96,6 +96,8 @@ class RunnerRec:
     job_id: int | None = None
     os: str = "Linux"
     ephemeral: bool = True
+    #: epoch seconds of the runner's last contact (session, acquire, heartbeat, complete)
+    last_seen: float = 0.0
 
 
 @dataclass
@@ -198,6 +200,9 @@ class StandInState:
     ``add_*`` methods. Times are epoch seconds."""
 
     base_url: str = "http://127.0.0.1"
+    #: seconds without contact after which an online runner is offline, and the job it was
+    #: running fails (GitHub: the runner lost communication with the server)
+    runner_timeout: float = 30.0
     #: base URL runners use (the JIT config's serverUrl), when it differs from ``base_url``:
     #: a QEMU guest reaches the host's loopback as 10.0.2.2
     runner_base_url: str | None = None
