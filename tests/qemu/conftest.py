@@ -41,13 +41,16 @@ echo "jit-set=${ACTIONS_RUNNER_INPUT_JITCONFIG:+yes}"
 echo "imp=${IMP_GITHUB_JITCONFIG:-unset}"
 echo "allow-root=${RUNNER_ALLOW_RUNASROOT:-}"
 echo "vmid=${IMP_VM_ID:-}"
-echo "before=$(ls -A /tmp | wc -l),$(ls -A /home/runner/_work | wc -l),$(ls /usr/probe-* 2>/dev/null | wc -l)"
+# count only files a VM writes (uuid names): /tmp may also hold read-only host shares when the
+# checkout lives under /tmp
+uuids() { ls -A "$1" | grep -cE '^[0-9a-f]{8}-[0-9a-f]{4}-'; }
+echo "before=$(uuids /tmp),$(uuids /home/runner/_work),$(ls /usr/probe-* 2>/dev/null | wc -l)"
 me=$(cat /proc/sys/kernel/random/uuid)
 echo "$me" > "/tmp/$me"
 echo "$me" > "/home/runner/_work/$me"
 echo "$me" > "/usr/probe-$me"
 sleep 2
-echo "after=$(ls -A /tmp | wc -l),$(ls -A /home/runner/_work | wc -l),$(ls /usr/probe-* 2>/dev/null | wc -l)"
+echo "after=$(uuids /tmp),$(uuids /home/runner/_work),$(ls /usr/probe-* 2>/dev/null | wc -l)"
 echo "disk=$(df -k /home/runner/_work | awk 'NR==2 {print $2}')"
 echo "fwcfg=$(ls /sys/firmware/qemu_fw_cfg 2>/dev/null | wc -l)"
 exit 3
@@ -119,7 +122,7 @@ def qemu_store(
 async def qemu_runtime(
     qemu_store: ImageStore, tmp_path_factory: pytest.TempPathFactory
 ) -> QemuRuntime:
-    binds = [p for p in host_python_binds() if not str(p).startswith("/tmp")]
+    # the host's Python (wherever the checkout is, /tmp included) for the stand-in runner
     return await create_qemu_runtime(
-        qemu_store, tmp_path_factory.mktemp("qemu-state"), extra_ro_binds=binds
+        qemu_store, tmp_path_factory.mktemp("qemu-state"), extra_ro_binds=host_python_binds()
     )
