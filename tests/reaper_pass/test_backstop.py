@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import shutil
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -24,16 +23,12 @@ from impvm.agent.images import ImageStore
 from impvm.agent.process import ProcessRuntime
 from impvm.api.models import API_VERSION, JIT_SECRET_KEY
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
-from impvm.devstack.registry import DEFAULT_BINARY, LocalRegistry
+from impvm.devstack.registry import LocalRegistry
 from impvm.devstack.testimages import build_base_image, build_runner_layer_image
 
 from .conftest import now, ts
 
 pytestmark = [pytest.mark.controlplane]
-
-_MISSING = [t for t in ("skopeo", "umoci", "bwrap") if shutil.which(t) is None]
-if not DEFAULT_BINARY.exists() or not Path("/bin/busybox").exists():
-    _MISSING.append("docker-registry/busybox")
 
 # A runner that never finishes: only the deadline can end it.
 HUNG_RUN_SH = "#!/bin/sh\necho ready\nexec sleep 3600\n"
@@ -48,7 +43,6 @@ async def wait_vm(kube: AsyncClient, ns: str, name: str, pred: Any, seconds: flo
     raise AssertionError(f"VM {name} never reached the expected state; last {obj.get('status')}")
 
 
-@pytest.mark.skipif(bool(_MISSING), reason=f"needs {_MISSING}")
 async def test_expire_after_stops_a_hung_vm(
     kube: Client, akube: AsyncClient, namespace: str, tmp_path: Path
 ) -> None:
