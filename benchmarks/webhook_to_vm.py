@@ -18,6 +18,7 @@ import base64
 import hashlib
 import hmac
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -125,6 +126,7 @@ async def measure(pools: int, samples: int) -> tuple[list[float], list[float]]:
         return latencies, baseline
     finally:
         await s.stop()
+        shutil.rmtree(wd, ignore_errors=True)  # etcd's data holds the App key
 
 
 async def main() -> None:
