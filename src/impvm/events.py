@@ -22,6 +22,8 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event
 from lightkube.types import PatchType
 
+from impvm.api.times import k8s_time
+
 log = logging.getLogger("impvm.events")
 
 
@@ -75,7 +77,7 @@ class EventRecorder:
                 await self.client.patch(
                     Event,
                     seen.name,
-                    {"count": seen.count, "lastTimestamp": now.strftime("%Y-%m-%dT%H:%M:%SZ")},
+                    {"count": seen.count, "lastTimestamp": k8s_time(now)},
                     namespace=namespace,
                     patch_type=PatchType.MERGE,
                 )

@@ -47,20 +47,13 @@ from impvm.api.models import (
     ImpVMClassSpec,
 )
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
+from impvm.api.times import k8s_time, utcnow
 from impvm.events import EventRecorder
 
 log = logging.getLogger("impvm.agent")
 
 FINALIZER = AGENT_FINALIZER
 LEASE_PREFIX = AGENT_LEASE_PREFIX
-
-
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
-
-
-def _ts(t: dt.datetime) -> str:
-    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -341,13 +334,13 @@ class Agent:
         jit = await self._read_jitconfig(key[0], secret_name)
         if jit is None:
             return True
-        started = _now()
+        started = utcnow()
         try:
             await self.runtime.start(req, jit)
         except RuntimeError_ as e:
             await self._fail(key, vm, req, "StartFailed", str(e))
             return True
-        await self._patch_status(key, {"phase": "Starting", "startedAt": _ts(started)})
+        await self._patch_status(key, {"phase": "Starting", "startedAt": k8s_time(started)})
         await self._event(key, None, "Started", f"runtime {self.runtime.name} started the VM")
         return True
 
@@ -356,7 +349,7 @@ class Agent:
         phase = vm.status.phase
         started = vm.status.started_at
         state = await self.runtime.inspect(req)
-        now = _now()
+        now = utcnow()
         expire = resolve_expire_after(vm.spec.expire_after)
         if expire and started and (now - started).total_seconds() >= expire:
             await self.runtime.stop(req, self.config.stop_grace_seconds)
@@ -385,7 +378,7 @@ class Agent:
 
     async def _finish(self, key: tuple[str, str], vm: ImpVM, req: VMRequest, st: VMState) -> None:
         code = st.exit_code if st.exit_code is not None else -1
-        finished = st.finished_at or _now()
+        finished = st.finished_at or utcnow()
         if code == 0:
             await self._patch_status(
                 key,
@@ -393,7 +386,7 @@ class Agent:
                     "phase": "Succeeded",
                     "exitCode": 0,
                     "exitReason": "Completed",
-                    "finishedAt": _ts(finished),
+                    "finishedAt": k8s_time(finished),
                 },
             )
             await self._event(key, None, "Succeeded", "runner exited 0")
@@ -404,7 +397,7 @@ class Agent:
                     "phase": "Failed",
                     "exitCode": code,
                     "exitReason": "Error",
-                    "finishedAt": _ts(finished),
+                    "finishedAt": k8s_time(finished),
                     "message": st.log_tail[-2000:],
                 },
             )
@@ -419,7 +412,7 @@ class Agent:
             {
                 "phase": "Failed",
                 "exitReason": reason,
-                "finishedAt": _ts(_now()),
+                "finishedAt": k8s_time(utcnow()),
                 "message": message[-2000:],
             },
         )

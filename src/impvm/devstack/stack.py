@@ -112,7 +112,7 @@ spec:
 """
 
 
-def rsa_free_secret() -> str:
+def random_webhook_secret() -> str:
     """A random webhook secret (URL-safe, 32 bytes of entropy)."""
     import secrets
 
@@ -267,7 +267,7 @@ class Stack:
 
     async def _setup_webhooks(self, namespace: str = NAMESPACE) -> None:
         assert self.kube is not None and self.standin is not None
-        self.webhook_secret = rsa_free_secret()
+        self.webhook_secret = random_webhook_secret()
         await self.kube.create(
             Secret(
                 metadata=ObjectMeta(name=WEBHOOK_SECRET, namespace=namespace),

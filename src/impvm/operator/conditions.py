@@ -3,13 +3,10 @@ lastTransitionTime (changes only when status flips), observedGeneration."""
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Iterable
 from typing import Any
 
-
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+from impvm.api.times import k8s_time
 
 
 class ConditionSet:
@@ -37,7 +34,9 @@ class ConditionSet:
             "status": value,
             "reason": reason,
             "message": message[:1024],
-            "lastTransitionTime": _now() if changed or old is None else old["lastTransitionTime"],
+            "lastTransitionTime": k8s_time()
+            if changed or old is None
+            else old["lastTransitionTime"],
             "observedGeneration": self.generation,
         }
         return changed and (status or old is not None)

@@ -53,6 +53,7 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
+from impvm.api.times import k8s_time, utcnow
 from impvm.github import (
     REPO_RUNNER_GROUP_ID,
     DeleteOutcome,
@@ -99,14 +100,6 @@ VMS_CREATED = Counter("impvm_vms_created_total", "ImpVMs created.", ["namespace"
 WEBHOOK_SECRET_KEY = "webhook_secret"
 
 FIELD_MANAGER = "impvm-operator"
-
-
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
-
-
-def _ts(t: dt.datetime) -> str:
-    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def runner_prefix(pool_name: str, pool_uid: str) -> str:
@@ -302,12 +295,12 @@ class PoolReconciler:
         elif isinstance(err, CredentialsError | BadCredentials):
             changed = conditions.set("CredentialsInvalid", True, reason, msg)
         elif isinstance(err, RateLimited):
-            reset = _now() + dt.timedelta(seconds=err.retry_after)
+            reset = utcnow() + dt.timedelta(seconds=err.retry_after)
             changed = conditions.set(
                 "RateLimited",
                 True,
                 f"{err.kind.capitalize()}RateLimit",
-                f"{msg}; resets {_ts(reset)}",
+                f"{msg}; resets {k8s_time(reset)}",
             )
         elif isinstance(err, InstallationUnavailable):
             msg = f"the GitHub App installation is unavailable ({err.reason}): {msg}"
@@ -377,7 +370,7 @@ class PoolReconciler:
             async for lease in self.ctx.kube.list(Lease, namespace=AGENT_LEASE_NAMESPACE)
             if lease.metadata and (lease.metadata.name or "").startswith(AGENT_LEASE_PREFIX)
         ]
-        lost = lost_nodes(leases, _now(), self.ctx.settings.node_lost_grace_seconds)
+        lost = lost_nodes(leases, utcnow(), self.ctx.settings.node_lost_grace_seconds)
         known = {lease.node for lease in leases}
         for o in bound:
             meta, node = o["metadata"], o["spec"]["nodeName"]
@@ -407,7 +400,7 @@ class PoolReconciler:
                     status = {
                         "phase": "Failed",
                         "exitReason": "NodeLost",
-                        "finishedAt": _ts(_now()),
+                        "finishedAt": k8s_time(utcnow()),
                         "message": f"the agent of node {node} stopped renewing its Lease",
                     }
                     await self._patch_vm_status(meta["namespace"], meta["name"], status)
@@ -465,7 +458,7 @@ class PoolReconciler:
             "RateLimited",
             True,
             "BudgetLow",
-            f"{b.remaining}/{b.limit} requests left until {_ts(reset)}; polling paused, "
+            f"{b.remaining}/{b.limit} requests left until {k8s_time(reset)}; polling paused, "
             "JIT minting continues",
         )
         return True
@@ -476,7 +469,7 @@ class PoolReconciler:
             result = await poll_jobs(obs.github, obs.scope)
         except GitHubError as e:
             await self._github_failed(key, obs, conditions, e)
-            obs.last_poll = {"time": _ts(_now()), "error": f"{type(e).__name__}: {e}"[:500]}
+            obs.last_poll = {"time": k8s_time(utcnow()), "error": f"{type(e).__name__}: {e}"[:500]}
             return
         for job in result.jobs:
             self.ctx.jobs.apply(job)
@@ -485,7 +478,7 @@ class PoolReconciler:
             log.info("pool %s/%s: dropped %d stale queued job(s)", *key, len(dropped))
         POLL_CALLS.inc(result.api_calls)
         obs.last_poll = {
-            "time": _ts(_now()),
+            "time": k8s_time(utcnow()),
             "queuedJobs": len(result.queued_ids),
             "apiCalls": result.api_calls,
         }
@@ -513,7 +506,7 @@ class PoolReconciler:
         annotations = obs.raw["metadata"].get("annotations") or {}
         return PoolSnapshot(
             limits=limits,
-            now=_now(),
+            now=utcnow(),
             vms=vms,
             runners=runners,
             queued_jobs=queued,
@@ -801,7 +794,7 @@ class PoolReconciler:
                 "repository": job.repository,
             }
             if job.started_at:
-                want["startedAt"] = _ts(job.started_at)
+                want["startedAt"] = k8s_time(job.started_at)
             try:
                 await self._patch_vm_status(o["metadata"]["namespace"], name, {"job": want})
             except ApiError as e:
@@ -839,7 +832,7 @@ class PoolReconciler:
                 pendingJobs=c.pending,
             )
             if created:
-                status["lastScaleUpTime"] = _ts(_now())
+                status["lastScaleUpTime"] = k8s_time(utcnow())
                 VMS_CREATED.labels(*key).inc(created)
             for state, n in (
                 ("starting", c.starting + created),
