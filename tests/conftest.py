@@ -17,6 +17,9 @@ from impvm.devstack.kube import admin_client, install_crds
 
 REPO = Path(__file__).resolve().parent.parent
 
+#: registry, test images, image store and the qemu runtime, shared by every runtime test
+pytest_plugins = ["tests.runtime_fixtures"]
+
 
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:

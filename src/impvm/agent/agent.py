@@ -34,7 +34,7 @@ from lightkube.resources.core_v1 import Secret as K8sSecret
 from lightkube.types import PatchType
 
 from impvm.agent.capacity import Resources, fits, total
-from impvm.agent.runtime import ImageError, Runtime, RuntimeError_, Secret, VMRequest, VMState
+from impvm.agent.runtime import ImageError, Runtime, VMRuntimeError, Secret, VMRequest, RuntimeState
 from impvm.api.durations import resolve_expire_after
 from impvm.api.models import (
     AGENT_FINALIZER,
@@ -337,7 +337,7 @@ class Agent:
         started = utcnow()
         try:
             await self.runtime.start(req, jit)
-        except RuntimeError_ as e:
+        except VMRuntimeError as e:
             await self._fail(key, vm, req, "StartFailed", str(e))
             return True
         await self._patch_status(key, {"phase": "Starting", "startedAt": k8s_time(started)})
@@ -376,7 +376,9 @@ class Agent:
             await self._fail(key, vm, req, "StartTimeout", state.log_tail[-2000:])
         return True
 
-    async def _finish(self, key: tuple[str, str], vm: ImpVM, req: VMRequest, st: VMState) -> None:
+    async def _finish(
+        self, key: tuple[str, str], vm: ImpVM, req: VMRequest, st: RuntimeState
+    ) -> None:
         code = st.exit_code if st.exit_code is not None else -1
         finished = st.finished_at or utcnow()
         if code == 0:

@@ -15,7 +15,7 @@ from impvm.agent.capacity import Resources
 from impvm.agent.images import ImageStore
 from impvm.agent.process import ProcessRuntime
 from impvm.agent.qemu import QemuRuntime, create_qemu_runtime
-from impvm.agent.runtime import Runtime
+from impvm.agent.runtime import Runtime, VMRuntimeError
 
 log = logging.getLogger("impvm.agent")
 
@@ -53,8 +53,6 @@ def make_runtime(
     if name == "qemu":
         if qemu_accelerator not in ("auto", "kvm", "tcg"):
             raise ValueError(f"accelerator {qemu_accelerator!r}: want auto, kvm or tcg")
-        from impvm.agent.runtime import RuntimeError_
-
         try:
             rt = asyncio.run(
                 create_qemu_runtime(
@@ -65,7 +63,7 @@ def make_runtime(
                     extra_ro_binds=ro_binds,
                 )
             )
-        except RuntimeError_ as exc:
+        except VMRuntimeError as exc:
             raise ValueError(f"runtime 'qemu' is not available: {exc}") from None
         log.info(
             "qemu runtime: kernel %s, accelerator %s (%s)",

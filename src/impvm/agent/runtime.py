@@ -3,8 +3,8 @@ VM. Implementations: ``process`` (bubblewrap sandbox, :mod:`impvm.agent.process`
 (microVM, a later issue).
 
 A runtime is handed the JIT config only in :meth:`Runtime.start` and passes it to the guest at
-launch and nowhere else (seed 001: "It passes that configuration directly to the guest runner at
-launch time. The configuration must not be placed in the VM manifest, the base image, or logs.").
+launch and nowhere else (the runner image contract: the configuration is passed directly to the
+guest runner at launch time, never placed in the VM manifest, the base image, or logs).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 
-class RuntimeError_(Exception):
+class VMRuntimeError(Exception):
     """A runtime could not do what was asked. The message never contains the JIT config."""
 
 
-class ImageError(RuntimeError_):
+class ImageError(VMRuntimeError):
     """An image could not be pulled, verified or unpacked (bad reference, digest mismatch, ...)."""
 
 
@@ -60,11 +60,11 @@ class VMRequest:
     workdir: Path
 
 
-VMStatus = Literal["starting", "running", "exited", "missing"]
+RuntimeStatus = Literal["starting", "running", "exited", "missing"]
 
 
 @dataclass(frozen=True)
-class VMState:
+class RuntimeState:
     """What a runtime observes of one VM.
 
     ``status``: starting (launched, runner not yet started), running (the runner process runs),
@@ -73,11 +73,16 @@ class VMState:
     scrubbed of the JIT config.
     """
 
-    status: VMStatus
+    status: RuntimeStatus
     exit_code: int | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
     log_tail: str = ""
+
+    @property
+    def active(self) -> bool:
+        """The VM still runs (launched and not yet exited): it must be stopped before cleanup."""
+        return self.status in ("starting", "running")
 
 
 @runtime_checkable
@@ -94,10 +99,10 @@ class Runtime(Protocol):
 
     async def start(self, req: VMRequest, jitconfig: Secret) -> None:
         """Launch the VM; its ``/usr/local/bin/runner`` gets ``IMP_GITHUB_JITCONFIG`` from
-        ``jitconfig`` and nothing else ever sees it. Raises :class:`RuntimeError_`."""
+        ``jitconfig`` and nothing else ever sees it. Raises :class:`VMRuntimeError`."""
         ...
 
-    async def inspect(self, req: VMRequest) -> VMState:
+    async def inspect(self, req: VMRequest) -> RuntimeState:
         """Observe the VM (never raises for a VM that is simply gone: status ``missing``)."""
         ...
 
