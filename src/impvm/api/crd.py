@@ -124,6 +124,9 @@ def crd(kind: type[ApiModel]) -> dict[str, Any]:
     }
     if "status" in kind.model_fields:
         version["subresources"] = {"status": {}}
+    fields = getattr(kind, "selectable_fields", None)
+    if fields:
+        version["selectableFields"] = fields
     columns = getattr(kind, "printer_columns", None)
     if columns:
         version["additionalPrinterColumns"] = columns

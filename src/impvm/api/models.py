@@ -593,6 +593,8 @@ class ImpVM(ApiModel):
         {"name": "Runner", "type": "string", "jsonPath": ".status.runner.name"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
+    #: Fields a list/watch may select on (a node agent watches ``spec.nodeName=<node>`` and ``=``).
+    selectable_fields: ClassVar[list[dict[str, str]]] = [{"jsonPath": ".spec.nodeName"}]
 
     spec: ImpVMSpec
     status: ImpVMStatus | None = None
