@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from lightkube import Client
+from lightkube import AsyncClient, Client
+from lightkube.config.kubeconfig import KubeConfig
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace
 
@@ -37,6 +38,16 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
 def kube(control_plane: ControlPlane) -> Client:
     """Admin client (system:masters) of the test control plane."""
     return admin_client(control_plane.kubeconfig)
+
+
+@pytest.fixture
+async def akube(control_plane: ControlPlane) -> AsyncIterator[AsyncClient]:
+    """Async admin client of the test control plane."""
+    client = AsyncClient(
+        config=KubeConfig.from_file(str(control_plane.kubeconfig)), field_manager="impvm-test"
+    )
+    yield client
+    await client.close()
 
 
 @pytest.fixture

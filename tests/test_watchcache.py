@@ -5,18 +5,17 @@ delivered, a watch that expired (410 Gone) listed again, the bound on what it ho
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 from lightkube import AsyncClient, Client
-from lightkube.config.kubeconfig import KubeConfig
 from lightkube.types import PatchType
 
 from impvm.api.models import API_VERSION
 from impvm.api.resources import ImpVMResource
-from impvm.devstack.controlplane import ControlPlane
 from impvm.watchcache import Key, Store, WatchCache, key_of
 
 
@@ -114,11 +113,17 @@ def test_bounded() -> None:
 # ------------------------------------------------------------------------------ the API server
 
 
-@pytest.fixture
-async def akube(control_plane: ControlPlane) -> AsyncIterator[AsyncClient]:
-    client = AsyncClient(config=KubeConfig.from_file(str(control_plane.kubeconfig)))
-    yield client
-    await client.close()
+@contextlib.asynccontextmanager
+async def running(
+    cache: WatchCache[Any], resource_version: str | None = None
+) -> AsyncIterator[None]:
+    """The cache's ``run`` as a task for the block."""
+    task = asyncio.create_task(cache.run(resource_version))
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def vm_body(name: str, namespace: str, node: str | None = None) -> Any:
@@ -165,8 +170,7 @@ async def test_watches_one_node_and_the_unbound(
         akube, ImpVMResource, node_of, fields={"spec.nodeName": "node-1"}, on_change=changes.append
     )
     unbound = WatchCache(akube, ImpVMResource, node_of, fields={"spec.nodeName": ""})
-    tasks = [asyncio.create_task(c.run()) for c in (mine, unbound)]
-    try:
+    async with running(mine), running(unbound):
         await asyncio.wait_for(asyncio.gather(mine.synced.wait(), unbound.synced.wait()), 20)
         assert names(mine, namespace) == {"mine"} and names(unbound, namespace) == {"free"}
         assert (namespace, "mine") in changes
@@ -187,10 +191,6 @@ async def test_watches_one_node_and_the_unbound(
         await until("mine gone", lambda: names(mine, namespace) == {"free"})
         assert changes.count((namespace, "mine")) >= 2  # added, deleted
         assert mine.lists == 1 and unbound.lists == 1  # no list after the first
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @pytest.mark.controlplane
@@ -203,12 +203,8 @@ async def test_expired_watch_lists_again(kube: Client, akube: AsyncClient, names
     assert names(cache, namespace) == {"a"}
     kube.delete(ImpVMResource, "a", namespace=namespace)
     kube.create(vm_body("b", namespace, "node-x"))
-    task = asyncio.create_task(cache.run(resource_version="1"))  # long compacted away
-    try:
+    async with running(cache, resource_version="1"):  # long compacted away
         await until("relisted", lambda: cache.lists == 2 and names(cache, namespace) == {"b"})
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 @pytest.mark.controlplane
@@ -220,8 +216,7 @@ async def test_a_full_cache_lists_again_once_there_is_room(
     cache = WatchCache(
         akube, ImpVMResource, node_of, fields={"spec.nodeName": "node-full"}, max_objects=2
     )
-    task = asyncio.create_task(cache.run())
-    try:
+    async with running(cache):
         await until("listed", lambda: cache.lists == 1)
         assert len(names(cache, namespace)) == 2 and cache.store.dropped == 1
         held = sorted(names(cache, namespace))
@@ -231,9 +226,6 @@ async def test_a_full_cache_lists_again_once_there_is_room(
             lambda: names(cache, namespace) == {"a", "b", "c"} - {held[0]},
         )
         assert cache.lists == 2 and cache.store.dropped == 0
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 @pytest.mark.controlplane
@@ -266,8 +258,7 @@ async def test_own_write_is_in_the_cache_before_the_watch_brings_it(
     mine = await set_phase("Starting")
     cache.written(mine)
     assert cache.get((namespace, "w")) == "Starting"  # no watch runs yet
-    task = asyncio.create_task(cache.run(resource_version=listed))
-    try:
+    async with running(cache, resource_version=listed):
         # the watch replays Scheduled (older than the write) and Starting (the write itself)
         await until(
             "watch caught up", lambda: cache._version == mine["metadata"]["resourceVersion"]
@@ -276,6 +267,3 @@ async def test_own_write_is_in_the_cache_before_the_watch_brings_it(
         await set_phase("Running")  # someone else's change is delivered as usual
         await until("Running seen", lambda: cache.get((namespace, "w")) == "Running")
         assert changes == [(namespace, "w")]
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)

@@ -10,14 +10,14 @@ import contextlib
 import re
 import ssl
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from lightkube import AsyncClient, Client
-from lightkube.config.kubeconfig import KubeConfig
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Secret
 
@@ -33,96 +33,93 @@ from tests.runtime_fixtures import Images
 pytestmark = [pytest.mark.controlplane]
 
 
-@pytest.fixture
-async def akube(control_plane: ControlPlane) -> AsyncIterator[AsyncClient]:
-    client = AsyncClient(
-        config=KubeConfig.from_file(str(control_plane.kubeconfig)), field_manager="agent-test"
-    )
-    yield client
-    await client.close()
+@dataclass
+class Env:
+    """One test's world: clients, a fresh namespace and ImpVMClass name, the test images."""
 
+    kube: Client
+    akube: AsyncClient
+    namespace: str
+    tmp_path: Path
+    images: Images
+    cls: str = field(default_factory=lambda: f"agent-test-{uuid.uuid4().hex[:6]}")
 
-@pytest.fixture
-def vm_class(kube: Client) -> Any:
-    """A fresh ImpVMClass name; ``create()`` makes it exist. Deleted afterwards."""
-
-    class Cls:
-        name = f"agent-test-{uuid.uuid4().hex[:6]}"
-
-        def create(self) -> None:
-            kube.create(
-                ImpVMClassResource.from_dict(
-                    {
-                        "apiVersion": API_VERSION,
-                        "kind": "ImpVMClass",
-                        "metadata": {"name": self.name},
-                        "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1},
-                    }
-                )
+    def create_class(self) -> None:
+        self.kube.create(
+            ImpVMClassResource.from_dict(
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": "ImpVMClass",
+                    "metadata": {"name": self.cls},
+                    "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1},
+                }
             )
+        )
 
-    yield Cls()
+    def create_vm(self, name: str, layer: str, node: str | None = None) -> None:
+        """A VM of the class with a JIT Secret (the runner layers here never use it)."""
+        self.kube.create(
+            Secret(
+                metadata=ObjectMeta(name=f"{name}-jit", namespace=self.namespace),
+                data={JIT_SECRET_KEY: base64.b64encode(b"jit-not-a-real-one").decode()},
+            )
+        )
+        spec: dict[str, Any] = {
+            "classRef": {"name": self.cls},
+            "image": self.images.base,
+            "runnerLayer": layer,
+            "runnerConfigSecret": f"{name}-jit",
+        }
+        if node:
+            spec["nodeName"] = node
+        self.kube.create(
+            ImpVMResource.from_dict(
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": "ImpVM",
+                    "metadata": {"name": name, "namespace": self.namespace},
+                    "spec": spec,
+                }
+            )
+        )
+
+    async def vms(self) -> dict[str, dict[str, Any]]:
+        """Every VM of the namespace by name (one LIST: a test below counts GETs)."""
+        listed = self.akube.list(ImpVMResource, namespace=self.namespace)
+        return {o.metadata.name: o.to_dict() async for o in listed}
+
+    @contextlib.asynccontextmanager
+    async def agent(self, tick: float = 0.2) -> AsyncIterator[Agent]:
+        """An agent with the process runtime, running for the block."""
+        store = ImageStore(self.tmp_path / "cache", 1 << 30, {self.images.registry})
+        agent = Agent(
+            self.akube,
+            ProcessRuntime(store),
+            AgentConfig(
+                node_name=f"node-{uuid.uuid4().hex[:6]}",
+                capacity=Resources(4, 4096),
+                workdir=self.tmp_path / "agent",
+                lease_namespace=self.namespace,
+                tick_seconds=tick,
+                stop_grace_seconds=2.0,
+            ),
+        )
+        task = asyncio.create_task(agent.run())
+        try:
+            yield agent
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.fixture
+def env(
+    kube: Client, akube: AsyncClient, namespace: str, tmp_path: Path, images: Images
+) -> Iterator[Env]:
+    e = Env(kube, akube, namespace, tmp_path, images)
+    yield e
     with contextlib.suppress(Exception):
-        kube.delete(ImpVMClassResource, Cls.name)
-
-
-def create_vm(
-    kube: Client, ns: str, name: str, cls: str, image: str, layer: str, node: str | None = None
-) -> None:
-    kube.create(
-        Secret(
-            metadata=ObjectMeta(name=f"{name}-jit", namespace=ns),
-            data={JIT_SECRET_KEY: base64.b64encode(b"jit-not-a-real-one").decode()},
-        )
-    )
-    spec: dict[str, Any] = {
-        "classRef": {"name": cls},
-        "image": image,
-        "runnerLayer": layer,
-        "runnerConfigSecret": f"{name}-jit",
-    }
-    if node:
-        spec["nodeName"] = node
-    kube.create(
-        ImpVMResource.from_dict(
-            {
-                "apiVersion": API_VERSION,
-                "kind": "ImpVM",
-                "metadata": {"name": name, "namespace": ns},
-                "spec": spec,
-            }
-        )
-    )
-
-
-@contextlib.asynccontextmanager
-async def running_agent(
-    akube: AsyncClient, registry: str, tmp_path: Path, namespace: str, tick: float = 0.2
-) -> AsyncIterator[Agent]:
-    runtime = ProcessRuntime(ImageStore(tmp_path / "cache", 1 << 30, {registry}))
-    agent = Agent(
-        akube,
-        runtime,
-        AgentConfig(
-            node_name=f"node-{uuid.uuid4().hex[:6]}",
-            capacity=Resources(4, 4096),
-            workdir=tmp_path / "agent",
-            lease_namespace=namespace,
-            tick_seconds=tick,
-            stop_grace_seconds=2.0,
-        ),
-    )
-    task = asyncio.create_task(agent.run())
-    try:
-        yield agent
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-
-async def vms(akube: AsyncClient, ns: str) -> dict[str, dict[str, Any]]:
-    """Every VM of the namespace by name (one LIST: the measurement below counts GETs)."""
-    return {o.metadata.name: o.to_dict() async for o in akube.list(ImpVMResource, namespace=ns)}
+        kube.delete(ImpVMClassResource, e.cls)
 
 
 async def until(what: str, check: Callable[[], Awaitable[bool]], seconds: float = 60) -> None:
@@ -139,52 +136,43 @@ def condition(vm: dict[str, Any], type_: str) -> dict[str, Any] | None:
     )
 
 
-async def test_vm_of_a_missing_class_is_refused_by_name_until_the_class_exists(
-    kube: Client,
-    akube: AsyncClient,
-    namespace: str,
-    tmp_path: Path,
-    images: Images,
-    vm_class: Any,
-) -> None:
+async def test_vm_of_a_missing_class_is_refused_by_name_until_the_class_exists(env: Env) -> None:
     """No fallback size: neither a free VM nor one created bound to the node is claimed or
     booted while its class is missing; both say which class, with a Warning. Once the class
     exists both run."""
-    async with running_agent(akube, images.registry, tmp_path, namespace) as agent:
+    async with env.agent() as agent:
         node = agent.config.node_name
-        create_vm(kube, namespace, "free", vm_class.name, images.base, images.sleep)
-        create_vm(kube, namespace, "bound", vm_class.name, images.base, images.sleep, node)
+        env.create_vm("free", env.images.sleep)
+        env.create_vm("bound", env.images.sleep, node)
 
         async def both_refused() -> bool:
-            got = await vms(akube, namespace)
+            got = await env.vms()
             return all(condition(v, "ClassMissing") for v in got.values()) and len(got) == 2
 
         await until("both VMs refused", both_refused)
-        for name, vm in (await vms(akube, namespace)).items():
+        for name, vm in (await env.vms()).items():
             cond = condition(vm, "ClassMissing")
             assert cond is not None and cond["status"] == "True", (name, cond)
-            assert f"'{vm_class.name}'" in cond["message"]
+            assert f"'{env.cls}'" in cond["message"]
             assert (vm.get("status") or {}).get("phase") is None, name  # not booted
-        assert not (await vms(akube, namespace))["free"]["spec"].get("nodeName")  # not claimed
-        assert not (tmp_path / "agent" / "vms").exists() or not any(
-            (tmp_path / "agent" / "vms").iterdir()
+        assert not (await env.vms())["free"]["spec"].get("nodeName")  # not claimed
+        assert not (env.tmp_path / "agent" / "vms").exists() or not any(
+            (env.tmp_path / "agent" / "vms").iterdir()
         )
-        events = [e async for e in akube.list(Event, namespace=namespace)]
+        events = [e async for e in env.akube.list(Event, namespace=env.namespace)]
         refused = {e.involvedObject.name for e in events if e.reason == "ClassNotFound"}
         assert refused == {"free", "bound"}
-        assert all(
-            vm_class.name in (e.message or "") for e in events if e.reason == "ClassNotFound"
-        )
+        assert all(env.cls in (e.message or "") for e in events if e.reason == "ClassNotFound")
         assert all(e.type == "Warning" for e in events if e.reason == "ClassNotFound")
 
-        vm_class.create()
+        env.create_class()
 
         async def both_running() -> bool:
-            got = await vms(akube, namespace)
+            got = await env.vms()
             return all((v.get("status") or {}).get("phase") == "Running" for v in got.values())
 
         await until("both VMs running once the class exists", both_running)
-        for vm in (await vms(akube, namespace)).values():
+        for vm in (await env.vms()).values():
             assert vm["spec"]["nodeName"] == node
             cond = condition(vm, "ClassMissing")
             assert cond is not None and (cond["status"], cond["reason"]) == ("False", "Found")
@@ -207,24 +195,18 @@ def _requests(control_plane: ControlPlane) -> dict[tuple[str, str], float]:
 
 
 async def test_agent_reads_no_vm_and_no_class_per_tick(
-    kube: Client,
-    akube: AsyncClient,
-    namespace: str,
-    tmp_path: Path,
-    images: Images,
-    vm_class: Any,
-    control_plane: ControlPlane,
+    env: Env, control_plane: ControlPlane
 ) -> None:
     """Two running VMs, a tick of 0.2 s: over 3 s the agent sends the API server no GET and
     no LIST of ImpVMs or ImpVMClasses (its watches tell it everything; it used to GET each VM
     and its class every tick)."""
-    vm_class.create()
-    async with running_agent(akube, images.registry, tmp_path, namespace, tick=0.2):
+    env.create_class()
+    async with env.agent(tick=0.2):
         for name in ("a", "b"):
-            create_vm(kube, namespace, name, vm_class.name, images.base, images.sleep)
+            env.create_vm(name, env.images.sleep)
 
         async def running() -> bool:
-            got = await vms(akube, namespace)
+            got = await env.vms()
             return len(got) == 2 and all(
                 (v.get("status") or {}).get("phase") == "Running" for v in got.values()
             )
@@ -242,25 +224,18 @@ async def test_agent_reads_no_vm_and_no_class_per_tick(
     assert all(v == 0 for v in reads.values()), reads
 
 
-async def test_agent_forgets_the_vms_it_is_done_with(
-    kube: Client,
-    akube: AsyncClient,
-    namespace: str,
-    tmp_path: Path,
-    images: Images,
-    vm_class: Any,
-) -> None:
+async def test_agent_forgets_the_vms_it_is_done_with(env: Env) -> None:
     """Five VMs run (the probe runner exits 3), are reported Failed and deleted: afterwards the
     agent holds no worker and no per-VM state for any of them, and its runtime none either
     (these maps used to grow with every VM the node ever ran)."""
-    vm_class.create()
-    async with running_agent(akube, images.registry, tmp_path, namespace) as agent:
+    env.create_class()
+    async with env.agent() as agent:
         names = [f"vm-{i}" for i in range(5)]
         for name in names:
-            create_vm(kube, namespace, name, vm_class.name, images.base, images.probe)
+            env.create_vm(name, env.images.probe)
 
         async def all_failed() -> bool:
-            got = await vms(akube, namespace)
+            got = await env.vms()
             return len(got) == 5 and all(
                 (v.get("status") or {}).get("exitCode") == 3 and not v["metadata"].get("finalizers")
                 for v in got.values()
@@ -268,10 +243,10 @@ async def test_agent_forgets_the_vms_it_is_done_with(
 
         await until("all VMs ran, failed and were released", all_failed, 120)
         for name in names:
-            kube.delete(ImpVMResource, name, namespace=namespace)
+            env.kube.delete(ImpVMResource, name, namespace=env.namespace)
 
         async def forgotten() -> bool:
-            return not await vms(akube, namespace) and not agent.tracked()
+            return not await env.vms() and not agent.tracked()
 
         await until("the agent forgot every VM", forgotten)
         assert isinstance(agent.runtime, ProcessRuntime) and agent.runtime.known() == set()

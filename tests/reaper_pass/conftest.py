@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from lightkube import AsyncClient, Client
-from lightkube.config.kubeconfig import KubeConfig
+from lightkube import Client
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Secret
 from lightkube.types import PatchType
@@ -24,7 +23,6 @@ from pydantic import SecretStr
 
 from impvm.api.models import API_VERSION, POOL_LABEL
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.devstack.controlplane import ControlPlane
 from impvm.devstack.standin import StandIn
 from impvm.devstack.standin.state import JobRec, RunnerRec, RunRec
 from impvm.github import AppCredentials, GitHubClient, RetryPolicy
@@ -70,16 +68,6 @@ async def standin(private_key: str) -> AsyncIterator[StandIn]:
     s.state.add_repo(REPO)
     yield s
     await s.stop()
-
-
-@pytest.fixture
-async def akube(control_plane: ControlPlane) -> AsyncIterator[AsyncClient]:
-    """Async admin client of the test control plane."""
-    client = AsyncClient(
-        config=KubeConfig.from_file(str(control_plane.kubeconfig)), field_manager="reaper-test"
-    )
-    yield client
-    await client.close()
 
 
 @pytest.fixture

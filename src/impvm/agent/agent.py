@@ -47,27 +47,8 @@ from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Secret as K8sSecret
 from lightkube.types import PatchType
 
+from impvm.agent import lifecycle as lc
 from impvm.agent.capacity import ZERO, Resources, total
-from impvm.agent.lifecycle import (
-    AddFinalizer,
-    AgentAction,
-    Claim,
-    Cleanup,
-    Emit,
-    LocalFacts,
-    PatchStatus,
-    Policy,
-    Preflight,
-    Prepare,
-    Release,
-    Start,
-    Step,
-    Stop,
-    VMObservation,
-    VMRecord,
-    decide,
-    holds_capacity,
-)
 from impvm.agent.runtime import (
     ImageError,
     Runtime,
@@ -125,7 +106,7 @@ class _Local:
     last request built for it (to clean up a VM that is gone) and its size when last known (a
     VM whose class was deleted still occupies what it was given)."""
 
-    facts: LocalFacts = field(default_factory=LocalFacts)
+    facts: lc.LocalFacts = field(default_factory=lc.LocalFacts)
     request: VMRequest | None = None
     size: Resources | None = None
 
@@ -143,13 +124,13 @@ class Agent:
         client: AsyncClient,
         runtime: Runtime,
         config: AgentConfig,
-        preflight: Preflight | None = None,
+        preflight: lc.Preflight | None = None,
     ) -> None:
         self.client = client
         self.runtime = runtime
         self.config = config
-        self.preflight = preflight or Preflight()
-        self.policy = Policy(
+        self.preflight = preflight or lc.Preflight()
+        self.policy = lc.Policy(
             runtime_name=runtime.name,
             tick_seconds=config.tick_seconds,
             start_timeout_seconds=config.start_timeout_seconds,
@@ -158,18 +139,18 @@ class Agent:
         )
         self.events = EventRecorder(client, component="impvm-agent", host=config.node_name)
         node = config.node_name
-        self.mine: WatchCache[VMRecord] = WatchCache(
+        self.mine: WatchCache[lc.VMRecord] = WatchCache(
             client,
             ImpVMResource,
-            VMRecord.from_object,
+            lc.VMRecord.from_object,
             fields={"spec.nodeName": node},
             on_change=self._poke,
             name=f"impvms on {node}",
         )
-        self.unbound: WatchCache[VMRecord] = WatchCache(
+        self.unbound: WatchCache[lc.VMRecord] = WatchCache(
             client,
             ImpVMResource,
-            VMRecord.from_object,
+            lc.VMRecord.from_object,
             fields={"spec.nodeName": ""},
             on_change=self._poke,
             name="unbound impvms",
@@ -326,12 +307,12 @@ class Agent:
             if self._workers.get(key) is w:
                 del self._workers[key]
 
-    def _vm(self, key: Key) -> VMRecord | None:
+    def _vm(self, key: Key) -> lc.VMRecord | None:
         """The VM from the caches: bound here wins over unbound (the two watches do not
         deliver in step while a claim moves a VM from one to the other)."""
         return self.mine.get(key) or self.unbound.get(key)
 
-    async def _step(self, key: Key) -> AgentAction | None:
+    async def _step(self, key: Key) -> lc.AgentAction | None:
         """Observe one VM, decide, act. Returns the action, or None when a step failed (then
         the next decision comes after a tick). Claims are made one at a time."""
         vm = self._vm(key)
@@ -340,7 +321,7 @@ class Agent:
                 return await self._decide_and_act(key, self._vm(key))
         return await self._decide_and_act(key, vm)
 
-    async def _decide_and_act(self, key: Key, vm: VMRecord | None) -> AgentAction | None:
+    async def _decide_and_act(self, key: Key, vm: lc.VMRecord | None) -> lc.AgentAction | None:
         local = self._local.setdefault(key, _Local())
         node = self.config.node_name
         spec = self.classes.get(("", vm.class_name)) if vm is not None else None
@@ -351,7 +332,7 @@ class Agent:
         if vm is not None and vm.node_name == node:
             req = local.request = self._request(vm, spec, local.size)
         state = await self.runtime.inspect(req) if req is not None else RuntimeState("missing")
-        obs = VMObservation(
+        obs = lc.VMObservation(
             node=node,
             now=utcnow(),
             vm=vm,
@@ -363,7 +344,7 @@ class Agent:
             preflight=self.preflight,
             policy=self.policy,
         )
-        action = decide(obs)
+        action = lc.decide(obs)
         log.debug("vm %s/%s: %s %s", *key, action.why, [type(s).__name__ for s in action.steps])
         done = await self._execute(key, vm, req, action)
         if done and action.forget:
@@ -375,7 +356,7 @@ class Agent:
         whose class was deleted keeps the size it was given)."""
         sizes: list[Resources] = []
         for vm in self.mine.values():
-            if vm.key == exclude or not holds_capacity(vm, self.config.node_name):
+            if vm.key == exclude or not lc.holds_capacity(vm, self.config.node_name):
                 continue
             spec = self.classes.get(("", vm.class_name))
             local = self._local.get(vm.key)
@@ -386,7 +367,7 @@ class Agent:
         return total(sizes)
 
     async def _execute(
-        self, key: Key, vm: VMRecord | None, req: VMRequest | None, action: AgentAction
+        self, key: Key, vm: lc.VMRecord | None, req: VMRequest | None, action: lc.AgentAction
     ) -> bool:
         """Carry out the steps in order; False when one failed (the rest is left undone). An
         action runs to its end even when the agent is being stopped (its steps belong
@@ -395,7 +376,7 @@ class Agent:
         if not action.steps:
             return True
         run = asyncio.ensure_future(self._run_steps(key, vm, req, action.steps))
-        if action.has(Prepare):
+        if action.has(lc.Prepare):
             return await run
         try:
             return await asyncio.shield(run)
@@ -405,7 +386,7 @@ class Agent:
             raise
 
     async def _run_steps(
-        self, key: Key, vm: VMRecord | None, req: VMRequest | None, steps: tuple[Step, ...]
+        self, key: Key, vm: lc.VMRecord | None, req: VMRequest | None, steps: tuple[lc.Step, ...]
     ) -> bool:
         for step in steps:
             try:
@@ -417,31 +398,33 @@ class Agent:
                 return False
         return True
 
-    async def _do(self, key: Key, vm: VMRecord | None, req: VMRequest | None, step: Step) -> bool:
+    async def _do(
+        self, key: Key, vm: lc.VMRecord | None, req: VMRequest | None, step: lc.Step
+    ) -> bool:
         """One step. Returns False when the rest of the action must not run (a conflict: the
         VM changed, or another agent claimed it). Raises ``ApiError``."""
         local = self._local.setdefault(key, _Local())
-        if isinstance(step, Emit):
+        if isinstance(step, lc.Emit):
             if vm is not None:
                 await self._event(vm, step)
             return True
-        if isinstance(step, Stop | Cleanup | Prepare | Start):
+        if isinstance(step, lc.Stop | lc.Cleanup | lc.Prepare | lc.Start):
             assert req is not None, f"{step} without a request"
             return await self._runtime_step(key, vm, req, local, step)
         assert vm is not None, f"{step} for a VM that is gone"
-        if isinstance(step, PatchStatus):
+        if isinstance(step, lc.PatchStatus):
             await self._patch_status(vm, dict(step.fields))
             return True
-        if isinstance(step, Claim):
+        if isinstance(step, lc.Claim):
             await asyncio.sleep(random.uniform(0, 0.05))  # several agents: do not collide
             fins = [*vm.finalizers, AGENT_FINALIZER]
             ok = await self._patch_meta(vm, fins, {"spec": {"nodeName": self.config.node_name}})
             if ok:
                 local.size = step.size
             return ok
-        if isinstance(step, AddFinalizer):
+        if isinstance(step, lc.AddFinalizer):
             return await self._patch_meta(vm, [*vm.finalizers, AGENT_FINALIZER])
-        if isinstance(step, Release):
+        if isinstance(step, lc.Release):
             ok = await self._patch_meta(vm, [f for f in vm.finalizers if f != AGENT_FINALIZER])
             if ok:  # capacity freed: the unbound VMs may fit now
                 for k in self.unbound.store:
@@ -450,22 +433,22 @@ class Agent:
         raise AssertionError(f"unknown step {step!r}")
 
     async def _runtime_step(
-        self, key: Key, vm: VMRecord | None, req: VMRequest, local: _Local, step: Step
+        self, key: Key, vm: lc.VMRecord | None, req: VMRequest, local: _Local, step: lc.Step
     ) -> bool:
         """A step the runtime carries out; what it learns goes into the VM's facts."""
         facts = local.facts
-        if isinstance(step, Stop):
+        if isinstance(step, lc.Stop):
             await self.runtime.stop(req, step.grace_seconds)
-        elif isinstance(step, Cleanup):
+        elif isinstance(step, lc.Cleanup):
             await self.runtime.cleanup(req)
             facts = replace(facts, cleaned=True)
-        elif isinstance(step, Prepare):
+        elif isinstance(step, lc.Prepare):
             try:
                 await self.runtime.prepare(req)
                 facts = replace(facts, prepared=True)
             except ImageError as e:
                 facts = replace(facts, failure=("ImagePullFailed", str(e)))
-        elif isinstance(step, Start):
+        elif isinstance(step, lc.Start):
             assert vm is not None
             jit = await self._read_jitconfig(vm)
             if jit is None:
@@ -482,7 +465,7 @@ class Agent:
     # ------------------------------------------------------------------ API helpers
 
     def _request(
-        self, vm: VMRecord, spec: ImpVMClassSpec | None, size: Resources | None
+        self, vm: lc.VMRecord, spec: ImpVMClassSpec | None, size: Resources | None
     ) -> VMRequest:
         """The runtime request of a VM bound here. Without its class only stop and cleanup use
         it (``decide`` starts no VM whose class is missing)."""
@@ -502,7 +485,7 @@ class Agent:
         namespace: str,
         name: str,
         size: Resources,
-        vm: VMRecord | None,
+        vm: lc.VMRecord | None,
         workdir: Path,
         disk_gib: int = 1,
     ) -> VMRequest:
@@ -526,7 +509,7 @@ class Agent:
         (self.mine if node == self.config.node_name else self.unbound).written(raw)
 
     async def _patch_meta(
-        self, vm: VMRecord, finalizers: list[str], extra: dict[str, Any] | None = None
+        self, vm: lc.VMRecord, finalizers: list[str], extra: dict[str, Any] | None = None
     ) -> bool:
         """Set the VM's finalizers (and ``extra``) if it still has the observed
         resourceVersion. False on a conflict or when the VM is gone or refuses the change."""
@@ -545,7 +528,7 @@ class Agent:
         self._written(got.to_dict())
         return True
 
-    async def _patch_status(self, vm: VMRecord, status: dict[str, Any]) -> None:
+    async def _patch_status(self, vm: lc.VMRecord, status: dict[str, Any]) -> None:
         got = await self.client.patch(
             ImpVMResource.Status,
             vm.name,
@@ -555,7 +538,7 @@ class Agent:
         )
         self._written(got.to_dict())
 
-    async def _read_jitconfig(self, vm: VMRecord) -> Secret | None:
+    async def _read_jitconfig(self, vm: lc.VMRecord) -> Secret | None:
         """The JIT config from the VM's Secret; None while it is not there (yet)."""
         name = vm.vm.spec.runner_config_secret
         if not name:
@@ -571,7 +554,7 @@ class Agent:
             return None
         return Secret(base64.b64decode(data).decode())
 
-    async def _event(self, vm: VMRecord, step: Emit) -> None:
+    async def _event(self, vm: lc.VMRecord, step: lc.Emit) -> None:
         await self.events.record(
             api_version=API_VERSION,
             kind="ImpVM",
