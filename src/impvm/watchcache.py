@@ -100,6 +100,7 @@ class Store(Generic[T]):
         return iter(self.keys())
 
     def _parse(self, raw: dict[str, Any]) -> T | None:
+        """The parsed object, or None (logged by name) when ``parse`` rejects it."""
         try:
             return self.parse(raw)
         except Exception as e:  # one bad object must not stop the cache
@@ -231,11 +232,13 @@ class WatchCache(Generic[T]):
         self.store.written(raw)
 
     def _notify(self, keys: Iterable[Key]) -> None:
+        """Tell ``on_change`` about each key."""
         if self.on_change is not None:
             for key in keys:
                 self.on_change(key)
 
     def _params(self) -> dict[str, Any]:
+        """Namespace and selectors, as lightkube's list and watch take them."""
         out: dict[str, Any] = {"labels": self.labels, "fields": self.fields}
         if self.namespace is not None:
             out["namespace"] = self.namespace

@@ -322,6 +322,8 @@ class Agent:
         return await self._decide_and_act(key, vm)
 
     async def _decide_and_act(self, key: Key, vm: lc.VMRecord | None) -> lc.AgentAction | None:
+        """Build the observation of one VM (caches, its class, the runtime, what this agent did),
+        decide, and carry the action out; forget the VM's state when the action says so."""
         local = self._local.setdefault(key, _Local())
         node = self.config.node_name
         spec = self.classes.get(("", vm.class_name)) if vm is not None else None
@@ -388,6 +390,7 @@ class Agent:
     async def _run_steps(
         self, key: Key, vm: lc.VMRecord | None, req: VMRequest | None, steps: tuple[lc.Step, ...]
     ) -> bool:
+        """The steps in order; False at the first that failed or must stop the rest."""
         for step in steps:
             try:
                 if not await self._do(key, vm, req, step):
@@ -489,6 +492,7 @@ class Agent:
         workdir: Path,
         disk_gib: int = 1,
     ) -> VMRequest:
+        """A runtime request; ``vm`` gives image and runner layer (none for a stale workdir)."""
         spec = vm.vm.spec if vm is not None else None
         return VMRequest(
             vm_id=vm_id,
@@ -529,6 +533,7 @@ class Agent:
         return True
 
     async def _patch_status(self, vm: lc.VMRecord, status: dict[str, Any]) -> None:
+        """Merge ``status`` into the VM's status subresource; the result goes into the cache."""
         got = await self.client.patch(
             ImpVMResource.Status,
             vm.name,
@@ -555,6 +560,7 @@ class Agent:
         return Secret(base64.b64decode(data).decode())
 
     async def _event(self, vm: lc.VMRecord, step: lc.Emit) -> None:
+        """Record the step's Event about the VM (aggregated, never raising)."""
         await self.events.record(
             api_version=API_VERSION,
             kind="ImpVM",

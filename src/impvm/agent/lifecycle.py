@@ -324,6 +324,7 @@ def _gone(obs: VMObservation) -> AgentAction:
 
 
 def _unbound(obs: VMObservation, vm: VMRecord) -> AgentAction:
+    """Not bound to any node: refuse (missing class), wait (preflight, capacity) or claim."""
     if vm.deleting or vm.phase in TERMINAL_PHASES:
         return AgentAction(Why.NOT_CLAIMABLE, forget=True)
     if obs.size is None:

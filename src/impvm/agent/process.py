@@ -166,6 +166,8 @@ class ProcessRuntime(RuntimeBase[_SandboxVM]):
         self.bwrap = bwrap
 
     def _bwrap_args(self, req: VMRequest, prepared: PreparedImage, status_fd: int) -> list[str]:
+        """bwrap's command line for one VM (see the module docstring); ``status_fd`` gets
+        bwrap's JSON status stream."""
         scratch = req.workdir / "scratch"
         binds: list[str] = []
         mounts = {PurePosixPath("/proc"), PurePosixPath("/dev"), TMP_DIR, WORK_DIR}
@@ -272,6 +274,8 @@ class ProcessRuntime(RuntimeBase[_SandboxVM]):
             transport.close()
 
     def _apply_status(self, vm: _SandboxVM, obj: object) -> None:
+        """Take one ``--json-status-fd`` object: the child pid and pid namespace, or the exit
+        code."""
         if not isinstance(obj, dict):
             return
         if "child-pid" in obj:

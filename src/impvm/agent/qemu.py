@@ -191,6 +191,8 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
     # ------------------------------------------------------------------ launch
 
     def _shares(self) -> tuple[list[tuple[str, Path]], dict[str, str]]:
+        """Host directories shared with the guest as 9p exports ``(tag, path)``, and host
+        symlinks to reproduce ``{link: target}``."""
         shares: list[tuple[str, Path]] = []
         links: dict[str, str] = {}
         for p in self.extra_ro_binds:
@@ -201,6 +203,8 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
         return shares, links
 
     def _guest_config(self, req: VMRequest) -> bytes:
+        """The non-secret per-VM guest config (fw_cfg ``opt/imp/config``): host name, VM id,
+        shares, links. Raises :class:`VMRuntimeError` for a path the guest cannot take."""
         shares, links = self._shares()
         lines = [f"hostname {guest_hostname(req)}", f"vmid {req.vm_id}"]
         lines += [f"share {tag} {path}" for tag, path in shares]
@@ -211,6 +215,8 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
         return "".join(f"{ln}\n" for ln in lines).encode()
 
     def _qemu_args(self, req: VMRequest, disk: Path, jit_fd: int, cfg_fd: int) -> list[str]:
+        """QEMU's command line for one VM: machine, kernel, serial ports, disks, network,
+        fw_cfg files (read from the pipes ``jit_fd`` and ``cfg_fd``), shares."""
         wd = req.workdir
         shares, _ = self._shares()
         machine = self.accel.machine

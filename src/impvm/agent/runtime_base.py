@@ -148,6 +148,7 @@ class RuntimeBase(Generic[VM]):
         vm.tasks.append(asyncio.create_task(self._reap(vm)))
 
     async def _reap(self, vm: VM) -> None:
+        """Wait for the VM's process to end, then record the runner's exit code and the time."""
         rc = await vm.proc.wait()
         vm.exit_code = await self._exit_code(vm, rc)
         vm.finished_at = datetime.now(UTC)
