@@ -30,12 +30,14 @@ from tests.runtime_fixtures import (
 class Case:
     """One runtime under test and what differs by design: ``root_writable``: a write to ``/``
     lands in the VM's own scratch (qemu: overlay) instead of being refused (process: read-only
-    root); ``seconds``: how long a VM may take to reach a state."""
+    root); ``stop_note``: what the console shows when a stop was asked for (qemu: the guest
+    init says so); ``seconds``: how long a VM may take to reach a state."""
 
     rt: Runtime
     memory_mib: int
     seconds: float
     root_writable: bool
+    stop_note: str | None = None
 
     def req(self, tmp_path: Path, name: str, image: str, layer: str | None) -> VMRequest:
         return vm_request(tmp_path, name, image, layer, memory_mib=self.memory_mib)
@@ -45,7 +47,8 @@ class Case:
 def case(request: pytest.FixtureRequest, shared_store: ImageStore) -> Case:
     if request.param == "process":
         return Case(ProcessRuntime(shared_store), 256, 30, root_writable=False)
-    return Case(request.getfixturevalue("qemu_runtime"), 512, 180, root_writable=True)
+    qemu = request.getfixturevalue("qemu_runtime")
+    return Case(qemu, 512, 180, root_writable=True, stop_note="stop requested")
 
 
 async def test_runs_one_vm_to_its_exit_code_then_forgets_it(
@@ -85,6 +88,11 @@ async def test_concurrent_vms_do_not_share_scratch(
         rt.start(a, Secret("jit-a-" + secrets.token_hex(8))),
         rt.start(b, Secret("jit-b-" + secrets.token_hex(8))),
     )
+    # both were started together; each gets to run its probe
+    await asyncio.gather(
+        wait_for(rt, a, "scratch-before", case.seconds),
+        wait_for(rt, b, "scratch-before", case.seconds),
+    )
     states = await asyncio.gather(
         wait_for(rt, a, seconds=case.seconds), wait_for(rt, b, seconds=case.seconds)
     )
@@ -94,6 +102,7 @@ async def test_concurrent_vms_do_not_share_scratch(
         assert out["scratch-before"] == "0,0", s.log_tail
         assert out.get("scratch-after") == "1,1", s.log_tail
         assert out["usr-before"] == "0", s.log_tail
+        assert out["usr-after"] == ("1" if case.root_writable else "0"), s.log_tail
     # Neither VM is cleaned up yet; the next VM from the same image still starts clean.
     c = case.req(tmp_path, "iso-c", images.base, images.probe)
     await rt.start(c, Secret("jit-c-" + secrets.token_hex(8)))
@@ -117,6 +126,8 @@ async def test_stop_is_graceful_then_kills(tmp_path: Path, images: Images, case:
     # the runner ended by SIGTERM (128 + 15); the SIGKILL fallback would report -1
     assert s.status == "exited" and s.exit_code not in (None, -1, 0), s
     assert s.exit_code == 143, s
+    if case.stop_note:
+        assert case.stop_note in s.log_tail
     assert h.status == "exited" and h.exit_code == -1, h  # killed after the grace period
     await rt.stop(soft)  # idempotent
     for r in (soft, hard):
