@@ -299,6 +299,153 @@ class WebhookSpec(ApiModel):
     )
 
 
+def _cron_field(value: str) -> str:
+    """One crontab(5) field: ``*`` or a value/range, with an optional step, comma-separated."""
+    item = rf"(\*|({value})(-({value}))?)(/[1-9][0-9]?)?"
+    return rf"{item}(,{item})*"
+
+
+def _any_case(names: str) -> str:
+    """``jan|feb`` as ``[Jj][Aa][Nn]|[Ff][Ee][Bb]``: ASCII only (a case-insensitive flag would
+    also fold non-ASCII letters such as U+017F into ``s``)."""
+    return "|".join("".join(f"[{c.upper()}{c}]" for c in n) for n in names.split("|"))
+
+
+_MONTH_NAMES = _any_case("jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec")
+_DAY_NAMES = _any_case("sun|mon|tue|wed|thu|fri|sat")
+#: Five-field cron expression (minute hour day-of-month month day-of-week) as crontab(5) and a
+#: Kubernetes CronJob's ``schedule`` write them: numbers, three-letter names (any case), ``*``,
+#: ranges, lists and steps, separated by spaces or tabs. The values' ranges are checked here so
+#: the API server rejects ``61 * * * *``; croniter evaluates what is accepted.
+CRON_PATTERN = (
+    r"^"
+    + r"[ \t]+".join(
+        _cron_field(v)
+        for v in (
+            r"[0-5]?[0-9]",
+            r"[01]?[0-9]|2[0-3]",
+            r"0?[1-9]|[12][0-9]|3[01]",
+            rf"0?[1-9]|1[0-2]|{_MONTH_NAMES}",
+            rf"[0-7]|{_DAY_NAMES}",
+        )
+    )
+    + r"$"
+)
+#: IANA time zone name (``UTC``, ``Europe/Berlin``, ``America/Argentina/Buenos_Aires``); whether
+#: the zone exists is checked against the time zone database when the pool is evaluated.
+TIME_ZONE_PATTERN = r"^[A-Za-z][A-Za-z0-9_+-]*(/[A-Za-z0-9_+-]+){0,2}$"
+
+
+class WarmPoolSchedule(ApiModel):
+    """A recurring window with its own minIdle, like a KEDA cron scaler's start/end pair: the
+    window opens whenever start matches and closes whenever end matches, both read as wall-clock
+    times in timeZone (so 0 8 * * 1-5 is 08:00 local time in winter and in summer)."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            "self.start != self.end",
+            "scaling.warmPool.schedules[].end must differ from start (the window would be empty)",
+            ".end",
+        ),
+    ]
+
+    name: str = Field(
+        min_length=1,
+        max_length=63,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="Name of the window (shown in status.warmPool.activeSchedule).",
+    )
+    start: str = Field(
+        max_length=200,
+        pattern=CRON_PATTERN,
+        description="Cron expression (5 fields) of the window's opening times, e.g. 0 8 * * 1-5.",
+    )
+    end: str = Field(
+        max_length=200,
+        pattern=CRON_PATTERN,
+        description="Cron expression (5 fields) of the window's closing times, e.g. 0 18 * * 1-5.",
+    )
+    time_zone: str = Field(
+        default="UTC",
+        max_length=64,
+        pattern=TIME_ZONE_PATTERN,
+        description="IANA time zone start and end are read in (default UTC).",
+    )
+    min_idle: int = Field(
+        ge=0, le=10000, description="minIdle while the window is open (replaces scaling.minIdle)."
+    )
+
+
+#: Defaults of the adaptive warm pool (see :mod:`impvm.scaling.warmpool`).
+DEFAULT_SAFETY_PERCENT = 250
+DEFAULT_ARRIVAL_HALF_LIFE_SECONDS = 300
+DEFAULT_READY_HALF_LIFE_SAMPLES = 10
+
+_ADAPTIVE_ONLY = ("maxIdle", "safetyPercent", "arrivalHalfLifeSeconds", "readyHalfLifeSamples")
+
+
+class WarmPoolSpec(ApiModel):
+    """How many idle runners to keep ready. fixed: scaling.minIdle. adaptive: enough to cover
+    the jobs expected while a new runner boots, after Little's law (L = λW): ceil(arrival-rate
+    EWMA * time-to-ready EWMA * safetyPercent/100), clamped to [minIdle, maxIdle]. In both modes
+    an open schedules window replaces minIdle."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            "self.mode != 'adaptive' || has(self.maxIdle)",
+            "scaling.warmPool.maxIdle is required when scaling.warmPool.mode is adaptive",
+            ".maxIdle",
+        ),
+        *[
+            cel(
+                f"self.mode == 'adaptive' || !has(self.{f})",
+                f"scaling.warmPool.{f} is only used when scaling.warmPool.mode is adaptive",
+                f".{f}",
+            )
+            for f in _ADAPTIVE_ONLY
+        ],
+    ]
+
+    mode: Literal["fixed", "adaptive"] = Field(
+        default="fixed",
+        description="fixed: keep scaling.minIdle idle runners (the default); adaptive: size the "
+        "warm pool from the observed job arrival rate and runner time-to-ready.",
+    )
+    max_idle: int | None = Field(
+        default=None,
+        ge=0,
+        le=10000,
+        description="adaptive: most idle runners the warm pool asks for (required).",
+    )
+    safety_percent: int | None = Field(
+        default=None,
+        ge=100,
+        le=1000,
+        description=f"adaptive: safety factor in percent on the Little's-law estimate "
+        f"(default {DEFAULT_SAFETY_PERCENT}).",
+    )
+    arrival_half_life_seconds: int | None = Field(
+        default=None,
+        ge=10,
+        le=86400,
+        description=f"adaptive: half-life in seconds of the job arrival-rate EWMA "
+        f"(default {DEFAULT_ARRIVAL_HALF_LIFE_SECONDS}).",
+    )
+    ready_half_life_samples: int | None = Field(
+        default=None,
+        ge=1,
+        le=1000,
+        description=f"adaptive: half-life in samples of the time-to-ready EWMA "
+        f"(default {DEFAULT_READY_HALF_LIFE_SAMPLES}).",
+    )
+    schedules: list[WarmPoolSchedule] | None = Field(
+        default=None,
+        max_length=20,
+        description="Windows with their own minIdle; when several are open the largest wins.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+
+
 class ScalingSpec(ApiModel):
     """Lower and upper capacity limits and how demand is observed. Seed 000 step 1."""
 
@@ -325,6 +472,25 @@ class ScalingSpec(ApiModel):
             "scaling.webhook.secretRef is required when scaling.mode is webhook or hybrid",
             ".webhook",
         ),
+        cel(
+            "!has(self.warmPool) || !has(self.warmPool.maxIdle) || !has(self.minIdle) || "
+            "self.warmPool.maxIdle >= self.minIdle",
+            "scaling.warmPool.maxIdle must be greater than or equal to scaling.minIdle",
+            ".warmPool.maxIdle",
+        ),
+        cel(
+            "!has(self.warmPool) || !has(self.warmPool.maxIdle) || !has(self.maxConcurrent) || "
+            "self.warmPool.maxIdle <= self.maxConcurrent",
+            "scaling.warmPool.maxIdle must be less than or equal to scaling.maxConcurrent",
+            ".warmPool.maxIdle",
+        ),
+        cel(
+            "!has(self.warmPool) || !has(self.warmPool.schedules) || !has(self.maxConcurrent) || "
+            "self.warmPool.schedules.all(s, s.minIdle <= self.maxConcurrent)",
+            "scaling.warmPool.schedules[].minIdle must be less than or equal to "
+            "scaling.maxConcurrent",
+            ".warmPool.schedules",
+        ),
     ]
 
     mode: Literal["polling", "webhook", "hybrid", "manual"] = Field(
@@ -349,6 +515,10 @@ class ScalingSpec(ApiModel):
     )
     polling: PollingSpec | None = Field(default=None, description="Polling settings.")
     webhook: WebhookSpec | None = Field(default=None, description="Webhook settings.")
+    warm_pool: WarmPoolSpec | None = Field(
+        default=None,
+        description="How many idle runners to keep ready (default: fixed, scaling.minIdle).",
+    )
 
 
 class ReaperSpec(ApiModel):
@@ -454,6 +624,31 @@ class PollStatus(ApiModel):
     error: str | None = Field(default=None, description="Why the poll failed, if it did.")
 
 
+class WarmPoolStatus(ApiModel):
+    """The warm pool's estimates, carried from pass to pass (Kubernetes is the database: a
+    restarted operator resumes from here). Changed only by observed events."""
+
+    arrival_rate_per_minute: float | None = Field(
+        default=None, ge=0, description="Job arrival-rate EWMA (jobs per minute) at updatedAt."
+    )
+    ready_seconds: float | None = Field(
+        default=None, ge=0, description="Time-to-ready EWMA: VM created to runner online (s)."
+    )
+    ready_samples: int | None = Field(
+        default=None, ge=0, description="Time-to-ready samples folded into readySeconds."
+    )
+    updated_at: datetime | None = Field(
+        default=None,
+        description="Events observed up to this time (RFC 3339, microseconds) are folded in.",
+    )
+    target: int | None = Field(
+        default=None, ge=0, description="Idle runners the warm pool asked for at updatedAt."
+    )
+    active_schedule: str | None = Field(
+        default=None, description="Name of the open schedules window that set minIdle, if any."
+    )
+
+
 class ImpVMRunnerPoolStatus(ApiModel):
     """Observed state of a pool."""
 
@@ -470,6 +665,7 @@ class ImpVMRunnerPoolStatus(ApiModel):
     )
     last_scale_up_time: datetime | None = Field(default=None)
     last_poll: PollStatus | None = Field(default=None)
+    warm_pool: WarmPoolStatus | None = Field(default=None, description="Warm pool estimates.")
     conditions: list[Condition] | None = Field(
         default=None,
         description=_CONDITIONS_DESC,
