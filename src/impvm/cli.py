@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from impvm import __version__
+from impvm.sim.cli import simulate_app
 
 app = typer.Typer(
     name="impvm",
@@ -20,6 +21,7 @@ app = typer.Typer(
 )
 dev_app = typer.Typer(help="The embedded local stack.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
+app.add_typer(simulate_app, name="simulate")
 
 
 def _not_available(what: str, issue: str) -> None:
