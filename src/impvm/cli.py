@@ -114,6 +114,26 @@ def agent(
     qemu_accelerator: Annotated[
         str, typer.Option(help="qemu runtime: auto (probe KVM, else TCG), kvm or tcg.")
     ] = "auto",
+    guest_network: Annotated[
+        str,
+        typer.Option(
+            help="isolated: each VM its own interface, NAT and egress policy (root, nftables); "
+            "host: VMs share this host's network, no isolation (development only)."
+        ),
+    ] = "isolated",
+    guest_subnet: Annotated[
+        str, typer.Option(help="IPv4 subnet the VMs' addresses come from (/16 to /28).")
+    ] = "10.213.0.0/16",
+    guest_dns: Annotated[
+        list[str] | None,
+        typer.Option(help="Resolver for VMs, repeatable (default: the node's; 'none': none)."),
+    ] = None,
+    network_table: Annotated[
+        str, typer.Option(help="nftables table (inet family) holding the VMs' rules.")
+    ] = "impvm",
+    network_prefix: Annotated[
+        str, typer.Option(help="Name prefix of the VMs' interfaces (<prefix>-<slot>).")
+    ] = "impvm",
 ) -> None:
     """Run the node agent: claim ImpVMs for this node and run them."""
     import os
@@ -133,6 +153,11 @@ def agent(
         lease_namespace,
         qemu_kernel,
         qemu_accelerator,
+        guest_network,
+        guest_subnet,
+        guest_dns,
+        network_table,
+        network_prefix,
     )
 
 

@@ -34,6 +34,7 @@ from lightkube.resources.core_v1 import Secret as K8sSecret
 from lightkube.types import PatchType
 
 from impvm.agent.capacity import Resources, fits, total
+from impvm.agent.network.policy import egress_layers
 from impvm.agent.runtime import ImageError, Runtime, RuntimeError_, Secret, VMRequest, VMState
 from impvm.api.durations import resolve_expire_after
 from impvm.api.models import (
@@ -286,7 +287,8 @@ class Agent:
                 0, 0
             )
         if phase in (None, "Pending", "Scheduled"):
-            return await self._start(key, vm, req)
+            # again, now that the class is cached: its size and egress policy
+            return await self._start(key, vm, self._request(vm, meta))
         return await self._observe(key, vm, req)
 
     async def _try_claim(self, key: tuple[str, str], vm: ImpVM, meta: dict[str, Any]) -> bool:
@@ -463,6 +465,7 @@ class Agent:
             memory_mib=cls.memory_mib if cls else 512,
             disk_gib=cls.disk_gib if cls else 1,
             workdir=self.config.workdir / "vms" / vm_id,
+            egress=egress_layers(cls.network if cls else None, vm.spec.network),
         )
 
     async def _class_resources(self, name: str) -> Resources | None:

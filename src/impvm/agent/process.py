@@ -3,9 +3,15 @@
 
 Sandbox (per VM):
 
-* own namespaces: ``--unshare-all --share-net`` (user/ipc/pid/uts/cgroup are private; the network
-  is shared so the runner reaches the GitHub stand-in on host loopback), ``--die-with-parent``
-  (VMs die with the agent), ``--new-session`` (no TIOCSTI into the agent's terminal);
+* own namespaces: ``--unshare-all --share-net`` (user/ipc/pid/uts/cgroup are private),
+  ``--die-with-parent`` (VMs die with the agent), ``--new-session`` (no TIOCSTI into the agent's
+  terminal);
+* network: with a node network (:class:`impvm.agent.network.node.NodeNetwork`) bwrap starts
+  inside the VM's own network namespace (``nsenter --net``: a veth pair to the node, NAT, the
+  same egress policy as a QEMU guest; ``/etc/resolv.conf`` names the node's resolvers). The
+  sandbox cannot reconfigure that namespace: it belongs to the agent's user namespace, not the
+  sandbox's. Without one (``--guest-network host``, development only) the sandbox shares the
+  agent's network and reaches everything the host reaches, loopback included;
 * ``/``: the prepared image rootfs, read-only. bwrap cannot create mount points on a read-only
   bind, so ``/`` is bwrap's tmpfs with every top-level entry of the rootfs bound read-only (and
   directories that contain a mount point split the same way), then ``--remount-ro /``;
@@ -51,6 +57,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 
 from impvm.agent.images import ImageStore, PreparedImage, _remove_tree
+from impvm.agent.network.node import GuestNetwork, NodeNetwork
 from impvm.agent.runtime import (
     ImageError,
     RuntimeError_,
@@ -63,6 +70,7 @@ from impvm.agent.runtime import (
 RUNNER = "/usr/local/bin/runner"
 WORK_DIR = PurePosixPath("/home/runner/_work")
 TMP_DIR = PurePosixPath("/tmp")  # noqa: S108 - a path inside the sandbox
+RESOLV_CONF = PurePosixPath("/etc/resolv.conf")
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _LOG = "console.log"
 _TAIL_BYTES = 16384
@@ -167,7 +175,8 @@ class ProcessRuntime:
     ``store``: the image cache; ``extra_ro_binds``: host paths bound read-only at the same path;
     ``extra_env``: additional non-secret environment for the runner; ``auth_file``: registry auth
     (docker-config style) for pulls; ``bwrap``: the bubblewrap executable; ``tail_lines``: lines
-    returned in :attr:`VMState.log_tail`.
+    returned in :attr:`VMState.log_tail`; ``network``: the node's guest networks (``None``: the
+    sandbox shares the agent's network).
     """
 
     name = "process"
@@ -181,7 +190,9 @@ class ProcessRuntime:
         auth_file: Path | None = None,
         bwrap: str = "bwrap",
         tail_lines: int = 40,
+        network: NodeNetwork | None = None,
     ) -> None:
+        self.network = network
         self.store = store
         self.extra_ro_binds = [Path(p) for p in extra_ro_binds]
         self.extra_env = dict(extra_env or {})
@@ -203,10 +214,21 @@ class ProcessRuntime:
             auth_file=self.auth_file,
         )
 
-    def _bwrap_args(self, req: VMRequest, prepared: PreparedImage, status_fd: int) -> list[str]:
+    def _bwrap_args(
+        self,
+        req: VMRequest,
+        prepared: PreparedImage,
+        status_fd: int,
+        net: GuestNetwork | None = None,
+    ) -> list[str]:
         scratch = req.workdir / "scratch"
         binds: list[str] = []
         mounts = {PurePosixPath("/proc"), PurePosixPath("/dev"), TMP_DIR, WORK_DIR}
+        enter: list[str] = []
+        if net is not None and net.netns is not None:
+            enter = ["nsenter", f"--net={net.netns}", "--"]
+            mounts.add(RESOLV_CONF)
+            binds += ["--ro-bind", str(req.workdir / "resolv.conf"), str(RESOLV_CONF)]
         symlinks: dict[PurePosixPath, str] = {}
         for p in self.extra_ro_binds:
             dest = PurePosixPath(str(p))
@@ -217,6 +239,7 @@ class ProcessRuntime:
                 binds += ["--ro-bind", str(p), str(dest)]
         hostname = re.sub(r"[^a-z0-9-]", "-", req.name.lower())[:63].strip("-") or "impvm"
         return [
+            *enter,
             self.bwrap,
             "--unshare-all",
             "--share-net",
@@ -263,6 +286,18 @@ class ProcessRuntime:
             (req.workdir / d).mkdir(mode=0o700, parents=True, exist_ok=True)
         # /tmp semantics inside the sandbox; the parent workdir is 0700.
         os.chmod(req.workdir / "scratch/tmp", 0o1777)  # noqa: S103
+        net = None
+        if self.network is not None:
+            net = await self.network.attach(
+                vm_id=req.vm_id,
+                namespace=req.namespace,
+                name=req.name,
+                workdir=req.workdir,
+                layers=req.egress,
+                kind="netns",
+            )
+            resolv = "".join(f"nameserver {d}\n" for d in net.dns)
+            await asyncio.to_thread((req.workdir / "resolv.conf").write_text, resolv)
         log = req.workdir / _LOG
         env = {
             "PATH": _PATH,
@@ -276,7 +311,7 @@ class ProcessRuntime:
         logfd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         self.store.retain(prepared.key)
         try:
-            args = self._bwrap_args(req, prepared, wfd)
+            args = self._bwrap_args(req, prepared, wfd, net)
             proc = await asyncio.create_subprocess_exec(
                 *args,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -428,6 +463,8 @@ class ProcessRuntime:
         if vm is not None:
             self.store.release(vm.prepared.key)
         self._prepared.pop(req.vm_id, None)
+        if self.network is not None:  # before the workdir: its record points there
+            await self.network.detach(req.vm_id)
         await asyncio.to_thread(_remove_workdir, req.workdir)
 
 

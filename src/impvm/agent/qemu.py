@@ -31,9 +31,12 @@ only by the guest init (not the runner's console), which gives ``running`` and t
 ttyS2 ← the unix socket ``<workdir>/control.sock``: :meth:`stop` writes ``stop`` there, the init
 sends SIGTERM to every guest process and powers off when the runner ended.
 
-Network: QEMU user-mode networking (slirp): guest 10.0.2.15/24, gateway 10.0.2.2 = the host's
-loopback, DNS 10.0.2.3. Production needs a tap device on a bridge with NAT and an egress policy
-instead (slirp lets a guest reach every host loopback service).
+Network: with a node network (:class:`impvm.agent.network.node.NodeNetwork`, the default of
+``impvm agent``) each VM gets its own tap device (``-netdev tap``), NAT to the node's uplink and
+its egress policy; the guest's address, gateway and resolvers arrive in ``opt/imp/config``
+(``net`` and ``dns`` lines). Without one (``--guest-network host``, development only) QEMU
+user-mode networking (slirp): guest 10.0.2.15/24, gateway 10.0.2.2 = the host's loopback, DNS
+10.0.2.3 - no isolation at all, the guest reaches every host loopback service.
 
 Lifetime: QEMU runs as a child of the agent with ``PR_SET_PDEATHSIG=SIGKILL``, so VMs die with
 the agent (like bubblewrap's ``--die-with-parent``); after an agent restart :meth:`inspect`
@@ -61,6 +64,7 @@ from pathlib import Path
 from typing import Literal
 
 from impvm.agent.images import ImageStore, PreparedImage, _remove_tree
+from impvm.agent.network.node import GuestNetwork, NodeNetwork
 from impvm.agent.qemu_accel import (
     AccelChoice,
     AcceleratorError,
@@ -148,7 +152,8 @@ class QemuRuntime:
     accelerator and machine (:func:`impvm.agent.qemu_accel.detect_accelerator`); ``state_dir``:
     agent-owned directory for the cached image disks; ``extra_ro_binds``: host paths shared
     read-only at the same path; ``auth_file``: registry auth for pulls; ``qemu``: the QEMU
-    executable; ``tail_lines``: lines in :attr:`VMState.log_tail`.
+    executable; ``tail_lines``: lines in :attr:`VMState.log_tail`; ``network``: the node's guest
+    networks (``None``: user-mode networking, no isolation).
     """
 
     name = "qemu"
@@ -165,7 +170,9 @@ class QemuRuntime:
         auth_file: Path | None = None,
         qemu: str = "qemu-system-x86_64",
         tail_lines: int = 40,
+        network: NodeNetwork | None = None,
     ) -> None:
+        self.network = network
         self.store = store
         self.kernel = kernel
         self.initramfs = initramfs
@@ -252,10 +259,13 @@ class QemuRuntime:
                 shares.append((f"h{len(shares)}", p))
         return shares, links
 
-    def _guest_config(self, req: VMRequest) -> bytes:
+    def _guest_config(self, req: VMRequest, net: GuestNetwork | None = None) -> bytes:
         hostname = re.sub(r"[^a-z0-9-]", "-", req.name.lower())[:63].strip("-") or "impvm"
         shares, links = self._shares()
         lines = [f"hostname {hostname}", f"vmid {req.vm_id}"]
+        if net is not None:
+            lines.append(f"net {net.address}/{net.prefixlen} {net.gateway}")
+            lines += [f"dns {d}" for d in net.dns]
         lines += [f"share {tag} {path}" for tag, path in shares]
         lines += [f"link {link} {target}" for link, target in links.items()]
         for path in [*(str(p) for _, p in shares), *links, *links.values()]:
@@ -263,7 +273,14 @@ class QemuRuntime:
                 raise RuntimeError_(f"cannot share {path!r} with the guest (white space)")
         return "".join(f"{ln}\n" for ln in lines).encode()
 
-    def _qemu_args(self, req: VMRequest, disk: Path, jit_fd: int, cfg_fd: int) -> list[str]:
+    def _qemu_args(
+        self,
+        req: VMRequest,
+        disk: Path,
+        jit_fd: int,
+        cfg_fd: int,
+        net: GuestNetwork | None = None,
+    ) -> list[str]:
         wd = req.workdir
         shares, _ = self._shares()
         machine = self.accel.machine
@@ -306,7 +323,7 @@ class QemuRuntime:
             "-device",
             f"virtio-blk-{sfx},drive=scratch,serial=imp-scratch",
             "-netdev",
-            "user,id=net0",
+            f"tap,id=net0,ifname={net.ifname},script=no,downscript=no" if net else "user,id=net0",
             "-device",
             f"virtio-net-{sfx},netdev=net0" + (",romfile=" if sfx == "pci" else ""),
             "-fw_cfg",
@@ -338,7 +355,6 @@ class QemuRuntime:
         secret = jitconfig.reveal().encode()
         if len(secret) > _MAX_JIT_BYTES:
             raise RuntimeError_(f"JIT config of VM {req.vm_id} is larger than 1 MiB")
-        config = self._guest_config(req)
         wd = req.workdir
         wd.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(wd, 0o700)
@@ -360,6 +376,17 @@ class QemuRuntime:
             f"{max(req.disk_gib, 1)}G",
         )
         os.chmod(wd / _SCRATCH, 0o600)
+        net = None
+        if self.network is not None:
+            net = await self.network.attach(
+                vm_id=req.vm_id,
+                namespace=req.namespace,
+                name=req.name,
+                workdir=wd,
+                layers=req.egress,
+                kind="tap",
+            )
+        config = self._guest_config(req, net)
         fds: list[int] = []
         self.store.retain(prepared.key)
         try:
@@ -368,7 +395,7 @@ class QemuRuntime:
             logfd = os.open(wd / _LOG, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
             fds.append(logfd)
             proc = await asyncio.create_subprocess_exec(
-                *self._qemu_args(req, disk, jit_r, cfg_r),
+                *self._qemu_args(req, disk, jit_r, cfg_r, net),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=logfd,
@@ -490,6 +517,8 @@ class QemuRuntime:
             self.store.release(vm.prepared.key)
         self._prepared.pop(req.vm_id, None)
         await asyncio.to_thread(_kill_pidfile, req.workdir)
+        if self.network is not None:  # before the workdir: its record points there
+            await self.network.detach(req.vm_id)
         await asyncio.to_thread(_remove_workdir, req.workdir)
 
     def describe(self) -> Mapping[str, str]:
@@ -538,6 +567,7 @@ async def create_qemu_runtime(
     extra_ro_binds: Sequence[Path] = (),
     auth_file: Path | None = None,
     qemu: str = "qemu-system-x86_64",
+    network: NodeNetwork | None = None,
 ) -> QemuRuntime:
     """Set up the ``qemu`` runtime at agent start: find the kernel (``kernel`` or the newest
     usable ``/boot/vmlinuz-*``), build/reuse the guest initramfs under ``state_dir``, probe the
@@ -560,6 +590,7 @@ async def create_qemu_runtime(
         extra_ro_binds=extra_ro_binds,
         auth_file=auth_file,
         qemu=qemu,
+        network=network,
     )
 
 

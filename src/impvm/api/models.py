@@ -124,6 +124,87 @@ _CONDITIONS_DESC = "Latest observations of the object's state (Kubernetes API co
 
 
 # --------------------------------------------------------------------------------------------
+# Network egress policy (ImpVMClass, ImpVMRunnerPool, ImpVM)
+
+
+class EgressPort(ApiModel):
+    """A destination port or port range (the shape of Kubernetes NetworkPolicyPort)."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            "!has(self.endPort) || self.endPort >= self.port",
+            "network.egress.allow[].ports[].endPort must be at least port",
+            ".endPort",
+        ),
+    ]
+
+    protocol: Literal["TCP", "UDP"] = Field(default="TCP", description="TCP (default) or UDP.")
+    port: int = Field(ge=1, le=65535, description="Destination port (the first of a range).")
+    end_port: int | None = Field(
+        default=None, ge=1, le=65535, description="Last port of the range (inclusive)."
+    )
+
+
+class EgressRule(ApiModel):
+    """One allowed destination: an IPv4 CIDR and, optionally, ports (none: every port of every
+    protocol)."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            "isCIDR(self.cidr) && cidr(self.cidr).ip().family() == 4",
+            "network.egress.allow[].cidr must be an IPv4 CIDR such as 203.0.113.0/24 (guests "
+            "have no IPv6 egress)",
+            ".cidr",
+        ),
+        cel(
+            "!isCIDR(self.cidr) || cidr(self.cidr) == cidr(self.cidr).masked()",
+            "network.egress.allow[].cidr has host bits set (write the network address, e.g. "
+            "10.0.0.0/8 rather than 10.0.0.1/8)",
+            ".cidr",
+        ),
+    ]
+
+    cidr: str = Field(
+        min_length=9, max_length=18, description="Destination network, IPv4 CIDR (a.b.c.d/n)."
+    )
+    ports: list[EgressPort] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Destination ports; empty: every port and protocol.",
+    )
+
+
+class EgressPolicy(ApiModel):
+    """What a VM may reach beyond itself. Whatever this says, a guest never reaches an address
+    of its node nor another VM; DNS to the node's configured resolvers is always answered."""
+
+    policy: Literal["public", "allowlist"] = Field(
+        default="public",
+        description="public: every public address, and of the private, link-local "
+        "(169.254.169.254 metadata included), CGNAT and loopback ranges only what allow lists; "
+        "allowlist: only what allow lists.",
+    )
+    allow: list[EgressRule] = Field(
+        default_factory=list, max_length=256, description="Destinations let through."
+    )
+    audit: bool = Field(
+        default=False,
+        description="Log what this policy would drop (kernel log, prefix 'impvm audit "
+        "<layer> <namespace>/<vm>: ') and let it through, to build an allowlist before enforcing.",
+    )
+
+
+class NetworkSpec(ApiModel):
+    """The network of a VM: its own interface, NAT to the node's uplink, an egress policy."""
+
+    egress: EgressPolicy | None = Field(
+        default=None,
+        description="Egress policy. On the ImpVMClass it binds every VM of the class; on a pool "
+        "(copied to its VMs) it narrows that further: a packet must pass both.",
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # ImpVMClass (cluster-scoped)
 
 
@@ -136,6 +217,11 @@ class ImpVMClassSpec(ApiModel):
     )
     disk_gib: int = Field(
         alias="diskGiB", ge=1, le=65536, description="Size of the VM's writable disk in GiB."
+    )
+    network: NetworkSpec | None = Field(
+        default=None,
+        description="Network of every VM of this class (set by the cluster admin); default: "
+        "egress policy public.",
     )
 
 
@@ -612,6 +698,11 @@ class ImpVMRunnerPoolSpec(ApiModel):
         json_schema_extra={"x-kubernetes-validations": [_expire_after_rule("expireAfter")]},
     )
     reaper: ReaperSpec | None = Field(default=None, description="Reaper for stuck runners.")
+    network: NetworkSpec | None = Field(
+        default=None,
+        description="Network of the pool's VMs (copied to each VM); its egress policy applies "
+        "on top of the class's.",
+    )
 
 
 class PollStatus(ApiModel):
@@ -727,6 +818,12 @@ class ImpVMSpec(ApiModel):
             "nodeName cannot be changed once the VM is bound to a node",
             ".nodeName",
         ),
+        cel(
+            "has(self.network) == has(oldSelf.network) && "
+            "(!has(self.network) || self.network == oldSelf.network)",
+            "network cannot be changed once the VM exists",
+            ".network",
+        ),
     ]
 
     class_ref: LocalObjectReference = Field(description="The ImpVMClass giving the VM's size.")
@@ -752,6 +849,11 @@ class ImpVMSpec(ApiModel):
     )
     node_name: str | None = Field(
         default=None, max_length=253, description="Node (agent) the VM is bound to."
+    )
+    network: NetworkSpec | None = Field(
+        default=None,
+        description="Network of this VM (from its pool); its egress policy applies on top of "
+        "the class's. Fixed once the VM exists.",
     )
 
 

@@ -37,6 +37,7 @@ from impvm.agent.process import host_python_binds
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
 from impvm.devstack.controlplane import ControlPlane, free_port
 from impvm.devstack.kube import admin_client, install_crds, service_account_kubeconfig
+from impvm.devstack.netns import DevNetwork
 from impvm.devstack.registry import LocalRegistry
 from impvm.devstack.standin import StandIn
 from impvm.devstack.testimages import TestImages, build_test_images
@@ -142,6 +143,9 @@ class StackConfig:
     webhook_drop_rate: float = 0.0
     #: start one agent (node-1); without it VMs are created but never run (benchmarks)
     start_agent: bool = True
+    #: guests on isolated networks, the stand-in in its own "internet" namespace
+    #: (:class:`impvm.devstack.netns.DevNetwork`; needs root); None: when running as root
+    isolated_network: bool | None = None
 
 
 @dataclass
@@ -160,6 +164,7 @@ class Stack:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     #: kubeconfig per component (operator, agent), authenticating as its ServiceAccount
     kubeconfigs: dict[str, Path] = field(default_factory=dict)
+    devnet: DevNetwork | None = None
 
     @property
     def kubeconfig(self) -> Path:
@@ -181,9 +186,20 @@ class Stack:
         )
         await self._ensure_namespace("impvm-system")
 
-        self.standin = StandIn()
+        isolated = self.config.isolated_network
+        if isolated is None:
+            isolated = os.geteuid() == 0
+        if isolated:
+            # guests reach the stand-in as they would reach GitHub: through the node's NAT,
+            # in a namespace of its own
+            self.devnet = await asyncio.to_thread(DevNetwork.create)
+            atexit.register(self.devnet.delete)
+            sock = self.devnet.internet.socket(self.devnet.server_address, 0)
+            self.standin = StandIn(sock=sock)
+        else:
+            self.standin = StandIn()
         await self.standin.start()
-        if self.config.runtime == "qemu":
+        if self.devnet is None and self.config.runtime == "qemu":
             # QEMU user-mode networking: the guest reaches the host's loopback as 10.0.2.2
             self.standin.state.runner_base_url = f"http://10.0.2.2:{self.standin.port}"
         self._seed_github()
@@ -386,6 +402,7 @@ class Stack:
         ]
         for p in host_python_binds():
             args += ["--bind-ro", str(p)]
+        args += self.devnet.agent_args() if self.devnet else ["--guest-network", "host"]
         self._spawn(f"agent-{node}", args, "agent")
 
     def start_operator(self) -> None:
@@ -487,6 +504,10 @@ class Stack:
             self.standin = None
         if self.control_plane is not None:
             await asyncio.to_thread(self.control_plane.stop)
+        if self.devnet is not None:
+            await asyncio.to_thread(self.devnet.delete)
+            atexit.unregister(self.devnet.delete)
+            self.devnet = None
 
 
 async def wait_for(
