@@ -32,7 +32,9 @@ import pytest_asyncio
 from aiohttp import web
 
 from impvm.agent.network.node import NodeNetwork
+from impvm.agent.network.policy import EgressLayer
 from impvm.agent.network.ruleset import NetConfig
+from impvm.agent.runtime import VMRequest
 from impvm.devstack.netns import (
     GUEST_RANGES,
     INTERNET_RANGES,
@@ -41,8 +43,11 @@ from impvm.devstack.netns import (
     pick_subnet,
     run_token,
 )
+from impvm.devstack.registry import LocalRegistry
+from impvm.devstack.testimages import build_base_image, build_runner_layer_image
+from tests.qemu.conftest import qemu_registry, qemu_runtime, qemu_store  # noqa: F401
 
-from .probe import ProbeControl
+from .probe import PROBE_AGENT_SH, ProbeControl
 
 for _tool in ("nft", "ip", "dnsmasq", "busybox", "nsenter"):
     if shutil.which(_tool) is None:  # scripts/setup.sh installs these
@@ -279,3 +284,38 @@ async def dns_probe(netns: str, name: str, server: str) -> str | None:
         if ln.startswith("Address")
     ]
     return addrs[-1] if addrs else None
+
+
+# -------------------------------------------------------------------------------- guests
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def probe_images(
+    qemu_registry: LocalRegistry,  # noqa: F811 - the fixture
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[str, str]:
+    """(base image, probe agent runner layer), pinned by digest."""
+    work = tmp_path_factory.mktemp("probe-images")
+    base = await build_base_image(work / "base", qemu_registry.address)
+    layer = await build_runner_layer_image(
+        work / "probe", qemu_registry.address, run_sh=PROBE_AGENT_SH, tag="probe-agent"
+    )
+    return base, layer
+
+
+def probe_request(
+    root: Path, name: str, images: tuple[str, str], layers: tuple[EgressLayer, ...] = ()
+) -> VMRequest:
+    return VMRequest(
+        vm_id=f"t.{name}.0000",
+        name=name,
+        namespace="t",
+        image=images[0],
+        runner_layer=images[1],
+        allow_unpinned_images=False,
+        vcpu=1,
+        memory_mib=256,
+        disk_gib=1,
+        workdir=root / name,
+        egress=layers,
+    )

@@ -157,19 +157,19 @@ async def test_a_restarted_agent_rebuilds_the_table_and_repairs_a_crash(
     before = (node_network.state_dir / "ruleset.nft").read_text()
     cfg = node_network.config
     t = cfg.table
-    # the crash: the table is gone, an interface and a namespace no record owns are left, and a
-    # record outlived its VM's workdir
-    sh("nft", "delete", "table", "inet", t)
-    orphan_link, orphan_ns = cfg.ifname(cfg.slots - 1), cfg.ifname(cfg.slots - 2)
-    sh("ip", "tuntap", "add", "dev", orphan_link, "mode", "tap")
-    sh("ip", "netns", "add", orphan_ns)
-    stale = Attachment(
-        "t.gone.0000", "t", "gone", cfg.slots - 3, "netns", (), str(tmp_path / "gone")
-    )
-    (node_network.state_dir / "t.gone.0000.json").write_text(stale.to_json())
-    host = (g1.gateway, world.host_service_port)
-    assert await nc_probe(g1.ifname, *host) == "host-service"  # unprotected now
     try:
+        # the crash: the table is gone, an interface and a namespace no record owns are left, and a
+        # record outlived its VM's workdir
+        sh("nft", "delete", "table", "inet", t)
+        orphan_link, orphan_ns = cfg.ifname(cfg.slots - 1), cfg.ifname(cfg.slots - 2)
+        sh("ip", "tuntap", "add", "dev", orphan_link, "mode", "tap")
+        sh("ip", "netns", "add", orphan_ns)
+        stale = Attachment(
+            "t.gone.0000", "t", "gone", cfg.slots - 3, "netns", (), str(tmp_path / "gone")
+        )
+        (node_network.state_dir / "t.gone.0000.json").write_text(stale.to_json())
+        host = (g1.gateway, world.host_service_port)
+        assert await nc_probe(g1.ifname, *host) == "host-service"  # unprotected now
         restarted = NodeNetwork(cfg, node_network.state_dir)
         await restarted.start()
         assert [a.vm_id for a in restarted.attachments()] == ["t.r1.0000", "t.r2.0000"]
