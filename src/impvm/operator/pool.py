@@ -572,7 +572,8 @@ class PoolReconciler:
 
     async def _create_vm(self, obs: Observed) -> dict[str, Any]:
         """Create one ImpVM from the template (seed 000 step 2): ephemeral, labelled, owned by
-        the pool; class and image copied; runnerLayer from the pool, else the template."""
+        the pool; class and image copied; runnerLayer from the pool, else the template; the
+        pool's network (egress policy) copied."""
         assert obs.template is not None
         meta = obs.raw["metadata"]
         t = obs.template.spec
@@ -591,6 +592,8 @@ class PoolReconciler:
         expire = pool.expire_after or t.expire_after
         if expire:
             spec["expireAfter"] = expire
+        if pool.network is not None:  # the class's policy applies too: see agent.network
+            spec["network"] = pool.network.wire()
         body = {
             "apiVersion": API_VERSION,
             "kind": "ImpVM",
