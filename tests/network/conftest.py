@@ -49,6 +49,8 @@ from tests.qemu.conftest import qemu_registry, qemu_runtime, qemu_store  # noqa:
 
 from .probe import PROBE_AGENT_SH, ProbeControl
 
+if os.geteuid() != 0:  # interfaces, namespaces and nftables need CAP_NET_ADMIN (CI runs as root)
+    pytest.fail("network tests need root", pytrace=False)
 for _tool in ("nft", "ip", "dnsmasq", "busybox", "nsenter"):
     if shutil.which(_tool) is None:  # scripts/setup.sh installs these
         pytest.fail(f"network tests need {_tool} (scripts/setup.sh installs it)", pytrace=False)

@@ -288,14 +288,7 @@ class ProcessRuntime:
         os.chmod(req.workdir / "scratch/tmp", 0o1777)  # noqa: S103
         net = None
         if self.network is not None:
-            net = await self.network.attach(
-                vm_id=req.vm_id,
-                namespace=req.namespace,
-                name=req.name,
-                workdir=req.workdir,
-                layers=req.egress,
-                kind="netns",
-            )
+            net = await self.network.attach_vm(req, "netns")
             resolv = "".join(f"nameserver {d}\n" for d in net.dns)
             await asyncio.to_thread((req.workdir / "resolv.conf").write_text, resolv)
         log = req.workdir / _LOG

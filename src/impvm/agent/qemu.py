@@ -378,14 +378,7 @@ class QemuRuntime:
         os.chmod(wd / _SCRATCH, 0o600)
         net = None
         if self.network is not None:
-            net = await self.network.attach(
-                vm_id=req.vm_id,
-                namespace=req.namespace,
-                name=req.name,
-                workdir=wd,
-                layers=req.egress,
-                kind="tap",
-            )
+            net = await self.network.attach_vm(req, "tap")
         config = self._guest_config(req, net)
         fds: list[int] = []
         self.store.retain(prepared.key)

@@ -7,6 +7,12 @@ and a runner layer whose ``run.sh`` is the stand-in runner, both pinned by diges
 credentials Secret; the operator and one agent as separate processes (``impvm operator``,
 ``impvm agent``); and the seed's minimal example applied with the two image placeholders replaced
 by the pushed digests.
+
+Networks (as root, the default then): the stand-in listens in a namespace of its own, the stand-in
+"internet" (:class:`impvm.devstack.netns.DevNetwork`); the agent gives each VM its own network
+(``--guest-network isolated``) and guests reach the stand-in through the node's NAT, as they
+would reach GitHub, and nothing else; the operator reaches it over the host's route to that
+namespace. Not as root: the stand-in on loopback and ``--guest-network host`` (no isolation).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from impvm.agent.network.ruleset import (
     free_slot,
     render,
 )
-from impvm.agent.runtime import RuntimeError_
+from impvm.agent.runtime import RuntimeError_, VMRequest
 
 log = logging.getLogger("impvm.agent.network")
 
@@ -290,6 +290,17 @@ class NodeNetwork:
                     await self._apply()
                 raise
             return self.guest_network(att)
+
+    async def attach_vm(self, req: VMRequest, kind: Kind) -> GuestNetwork:
+        """:meth:`attach` for a runtime's request (its id, name, workdir and egress layers)."""
+        return await self.attach(
+            vm_id=req.vm_id,
+            namespace=req.namespace,
+            name=req.name,
+            workdir=req.workdir,
+            layers=req.egress,
+            kind=kind,
+        )
 
     async def detach(self, vm_id: str) -> None:
         """Remove VM ``vm_id``'s interface (and namespace), its record and its rules.
