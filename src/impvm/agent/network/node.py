@@ -170,14 +170,18 @@ class NodeNetwork:
     def _remove_record(self, vm_id: str) -> None:
         (self.state_dir / f"{vm_id}.json").unlink(missing_ok=True)
 
-    async def _apply(self) -> None:
-        """Replace the table with the rules for every record (one nft transaction)."""
-        text = render(self.config, self._records.values())
+    def _write_ruleset(self, text: str) -> Path:
         self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = self.state_dir / "ruleset.nft"
         tmp = self.state_dir / f".ruleset.{uuid.uuid4().hex}"
         tmp.write_text(text)
         os.replace(tmp, path)
+        return path
+
+    async def _apply(self) -> None:
+        """Replace the table with the rules for every record (one nft transaction)."""
+        text = render(self.config, self._records.values())
+        path = await asyncio.to_thread(self._write_ruleset, text)
         await _must(f"applying nftables table inet {self.config.table}", "nft", "-f", str(path))
 
     async def _remove_interface(self, name: str) -> None:
@@ -202,7 +206,7 @@ class NodeNetwork:
                 if not await asyncio.to_thread(os.path.exists, att.workdir):
                     log.info("removing the network of VM %s (its workdir is gone)", vm_id)
                     await self._remove_interface(self.config.ifname(att.slot))
-                    self._remove_record(vm_id)
+                    await asyncio.to_thread(self._remove_record, vm_id)
                     del records[vm_id]
             self._records = records
             self._loaded = True
