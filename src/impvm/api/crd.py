@@ -58,6 +58,8 @@ def _structural(node: Any, defs: dict[str, Any], rules: dict[str, list[dict[str,
     if "$ref" in node:
         name = node.pop("$ref").rsplit("/", 1)[-1]
         target = copy.deepcopy(defs[name])
+        if "enum" in target:
+            target.pop("description", None)  # an enum class's docstring is not the field's
         target.update(node)  # keep the field's own description
         node = target
     if "anyOf" in node:

@@ -5,14 +5,15 @@ The CustomResourceDefinitions in ``deploy/crds/`` are rendered from these models
 in CEL rules (``x-kubernetes-validations``) attached here with :func:`cel`, so the kube-apiserver
 enforces it; the pydantic validators only parse what the API server already accepted.
 
-Field names follow the seeds (``../shared/seeds/000_e4e8de15731273f5.txt`` and
-``001_1237d569728ff113.txt``); runner and job fields follow ARC's EphemeralRunner status.
+Field names are the project's fixed interfaces (docs/architecture.md); runner and job fields
+follow ARC's EphemeralRunner status.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, ClassVar, Literal
+from enum import StrEnum
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -28,10 +29,20 @@ DEMAND_ANNOTATION = "imp.dev/runner-demand"
 #: Finalizer a node agent puts on a VM it claimed; released once the VM's runtime is cleaned up
 #: (or by the operator when the VM's node is lost).
 AGENT_FINALIZER = "imp.dev/agent"
-#: Namespace of the agents' Leases (liveness and capacity).
+#: Default namespace of the agents' Leases (liveness and capacity); ``impvm agent
+#: --lease-namespace`` may choose another, so the operator finds them by label.
 AGENT_LEASE_NAMESPACE = "impvm-system"
 #: Name prefix of an agent's Lease; the rest is the node name.
 AGENT_LEASE_PREFIX = "impvm-agent-"
+#: Label (key, value) on every agent Lease.
+AGENT_LEASE_LABEL = ("app.kubernetes.io/name", "impvm-agent")
+#: Annotation on a pool VM: hash of what its template made it from (image, runner layer, class
+#: and its size, deadline). A VM whose hash differs from the pool's current one is outdated and
+#: is replaced while idle (like ARC's ``ephemeralRunnerSetIntegrityHash``).
+TEMPLATE_HASH_ANNOTATION = "imp.dev/template-hash"
+#: Longest pool name: it is the value of the ``imp.dev/runner-pool`` label (Kubernetes caps
+#: label values at 63 characters).
+MAX_POOL_NAME = 63
 #: Key of the JIT config in the Secret owned by a VM.
 JIT_SECRET_KEY = "jitconfig"
 
@@ -44,8 +55,28 @@ NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 #: Go duration string as understood by CEL's ``duration()`` (e.g. ``90s``, ``1h30m``, ``0s``).
 DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$"
 
-Phase = Literal["Pending", "Scheduled", "Starting", "Running", "Succeeded", "Failed", "Terminating"]
-TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+
+class PoolKey(NamedTuple):
+    """A pool's identity: ``(namespace, name)``. A tuple, so ``("ns", "pool")`` compares equal."""
+
+    namespace: str
+    name: str
+
+
+class VMPhase(StrEnum):
+    """``ImpVM.status.phase``. Values are the wire strings (and the CRD enum)."""
+
+    PENDING = "Pending"
+    SCHEDULED = "Scheduled"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    TERMINATING = "Terminating"
+
+
+#: Phases a VM never leaves: its runner is done (each runner is single-use).
+TERMINAL_PHASES: frozenset[VMPhase] = frozenset({VMPhase.SUCCEEDED, VMPhase.FAILED})
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, Any]:
@@ -860,7 +891,7 @@ class ImpVMSpec(ApiModel):
 class ImpVMStatus(ApiModel):
     """Observed state of a VM."""
 
-    phase: Phase | None = Field(default=None, description="Lifecycle phase.")
+    phase: VMPhase | None = Field(default=None, description="Lifecycle phase.")
     node_name: str | None = Field(default=None, description="Node running the VM.")
     runner: RunnerStatus | None = None
     job: JobStatus | None = None
