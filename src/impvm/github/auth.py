@@ -8,6 +8,7 @@ the past against clock drift; ``exp`` no more than 10 minutes in the future; ``i
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -93,8 +94,13 @@ def credentials_from_secret(
     )
 
 
+@functools.lru_cache(maxsize=16)
 def load_private_key(pem: str) -> RSAPrivateKey:
-    """Parse a PEM RSA private key (PKCS#1 or PKCS#8). Raises :class:`CredentialsError`."""
+    """Parse a PEM RSA private key (PKCS#1 or PKCS#8). Raises :class:`CredentialsError`.
+
+    Parsing validates the key (tens of milliseconds for RSA), so each key is parsed once and
+    kept (by its PEM text, which the credentials hold in memory anyway); a failure is not
+    kept."""
     try:
         key = serialization.load_pem_private_key(pem.encode(), password=None)
     except (ValueError, TypeError):
