@@ -8,13 +8,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from impvm.scaling.jobtable import Job, JobTable, PoolScope, route
-from impvm.scaling.labels import PoolKey
+from impvm.scaling.labels import PoolLabels
 
 T0 = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 
-SMALL = PoolScope(PoolKey(namespace="ns", name="small", labels=("imp",)), org="o")
-BIG = PoolScope(PoolKey(namespace="ns", name="big", labels=("imp", "big")), org="o")
-REPO_ONLY = PoolScope(PoolKey(namespace="ns", name="repo", labels=("imp",)), repo="o/app")
+SMALL = PoolScope(PoolLabels(namespace="ns", name="small", labels=("imp",)), org="o")
+BIG = PoolScope(PoolLabels(namespace="ns", name="big", labels=("imp", "big")), org="o")
+REPO_ONLY = PoolScope(PoolLabels(namespace="ns", name="repo", labels=("imp",)), repo="o/app")
 POOLS = [SMALL, BIG]
 
 

@@ -617,17 +617,18 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
     failures = [f for f in (g.failure, world.polled and world.polled.failure, outcome.failure) if f]
     last_failure: GitHubFailure | None = None
     for f in failures:
+        mapped = github_condition(f)
+        said = mapped[2] if mapped else f.message  # what the Event and the backoff say
         before = backoff.last_error
         at_least = f.retry_after if f.kind == "RateLimited" else 0.0
         backoff = backoff.failed(
             mono,
             world.jitter,
-            message=f.message,
+            message=said,
             at_least=at_least,
             base=world.settings.backoff_base_seconds,
             cap=world.settings.backoff_cap_seconds,
         )
-        mapped = github_condition(f)
         if mapped is None:
             changed = ready_failure is None
             ready_failure = ready_failure or ("GitHubRejected", f.message)
@@ -637,8 +638,8 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
                 reset = now + dt.timedelta(seconds=f.retry_after)
                 text = f"{text}; resets {k8s_time(reset)}"
             changed = conds.set(ctype, True, reason, text, now)
-        if changed or before != f.message:
-            events.append(EventSpec("GitHubError", f.message, warning=True))
+        if changed or before != said:
+            events.append(EventSpec("GitHubError", said, warning=True))
         if f.vm is not None:
             delay = _wait(backoff, mono)
             ready_failure = (
