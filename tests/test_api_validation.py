@@ -96,7 +96,7 @@ def test_seed_minimal_example_applies_verbatim(control_plane: ControlPlane, kube
     table = kubectl(control_plane, "get", "imprp", "-n", "default")
     assert table.returncode == 0, table.stderr
     header = table.stdout.splitlines()[0].split()
-    assert header == ["NAME", "PLATFORM", "TEMPLATE", "IDLE", "BUSY", "DESIRED", "AGE"]
+    assert header == ["NAME", "PLATFORM", "TEMPLATE", "IDLE", "BUSY", "DESIRED", "READY", "AGE"]
     assert "ci-pool" in table.stdout and "github-actions" in table.stdout
     cat = kubectl(control_plane, "get", "imp", "-n", "default", "-o", "name")
     assert "impvmrunnerpool.imp.dev/ci-pool" in cat.stdout, cat.stdout + cat.stderr

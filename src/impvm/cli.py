@@ -18,16 +18,15 @@ app = typer.Typer(
     add_completion=False,
     # rich tracebacks print local variables, which may hold credentials: plain tracebacks only
     pretty_exceptions_enable=False,
+    # click's plain help: typer's rich help shows every flag as taking a value (`--version
+    # <bool>`)
+    rich_markup_mode=None,
 )
-dev_app = typer.Typer(help="The embedded local stack.", no_args_is_help=True)
+dev_app = typer.Typer(
+    help="The embedded local stack.", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(dev_app, name="dev")
 app.add_typer(simulate_app, name="simulate")
-
-
-def _not_available(what: str, issue: str) -> None:
-    """Exit 2 with a clear message for a subcommand a later issue delivers (no fake behaviour)."""
-    typer.echo(f"impvm {what}: not available yet ({issue}).", err=True)
-    raise typer.Exit(code=2)
 
 
 def _version_callback(value: bool) -> None:
@@ -58,7 +57,12 @@ def crds() -> None:
 def operator(
     namespace: Annotated[
         list[str] | None,
-        typer.Option("--namespace", "-n", help="Watch only these namespaces (default: all)."),
+        typer.Option(
+            "--namespace",
+            "-n",
+            metavar="NAMESPACE",
+            help="Watch only this namespace; repeat for more (default: all).",
+        ),
     ] = None,
     http_host: Annotated[str, typer.Option(help="Address of /healthz, /metrics, webhooks.")] = (
         "0.0.0.0"  # noqa: S104 - a cluster service listens on all interfaces
@@ -71,6 +75,14 @@ def operator(
     node_lost_grace_seconds: Annotated[
         float, typer.Option(help="Seconds past an agent Lease's expiry before its VMs are lost.")
     ] = 60.0,
+    webhook_safety_poll_seconds: Annotated[
+        float,
+        typer.Option(
+            min=5.0,
+            help="Seconds between the polls of GitHub that webhook-mode pools make in case "
+            "deliveries were lost.",
+        ),
+    ] = 300.0,
 ) -> None:
     """Run the operator (pool controller, webhook receiver, reaper). Kubernetes credentials:
     KUBECONFIG or in-cluster."""
@@ -78,7 +90,9 @@ def operator(
     from impvm.operator.main import main as operator_main
 
     settings = OperatorSettings(
-        github_api_url=github_api_url, node_lost_grace_seconds=node_lost_grace_seconds
+        github_api_url=github_api_url,
+        node_lost_grace_seconds=node_lost_grace_seconds,
+        webhook_safety_poll_seconds=webhook_safety_poll_seconds,
     )
     operator_main(namespace or [], http_host, http_port, settings)
 
@@ -167,10 +181,8 @@ def github_standin(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8090,
 ) -> None:
     """Serve the GitHub stand-in (a faithful GitHub API for tests and the embedded stack)."""
-    try:
-        from impvm.devstack import standin
-    except ImportError:
-        _not_available("github-standin", "arrives with the GitHub integration issue")
+    from impvm.devstack import standin
+
     standin.serve(host=host, port=port)
 
 

@@ -111,6 +111,9 @@ def openapi_schema(kind: type[ApiModel]) -> dict[str, Any]:
             **props,
         },
     }
+    object_rules = getattr(kind, "object_rules", None)
+    if object_rules:
+        schema["x-kubernetes-validations"] = list(object_rules)
     return schema
 
 

@@ -45,6 +45,8 @@ TEMPLATE_HASH_ANNOTATION = "imp.dev/template-hash"
 MAX_POOL_NAME = 63
 #: Key of the JIT config in the Secret owned by a VM.
 JIT_SECRET_KEY = "jitconfig"
+#: Key of the webhook secret in the Secret named by ``scaling.webhook.secretRef``.
+WEBHOOK_SECRET_KEY = "webhook_secret"
 
 #: ``name@sha256:<64 hex>``: an OCI reference pinned by digest (seed 003: pull by digest).
 DIGEST_REF_PATTERN = r"^[^@[:space:]]+@sha256:[0-9a-f]{64}$"
@@ -785,6 +787,12 @@ class ImpVMRunnerPoolStatus(ApiModel):
     pending_jobs: int | None = Field(
         default=None, ge=0, description="Queued matching jobs not yet assigned a runner."
     )
+    outdated: int | None = Field(
+        default=None,
+        ge=0,
+        description="VMs made from an older template (image, runner layer or class); idle ones "
+        "are replaced, busy ones finish their job first.",
+    )
     last_scale_up_time: datetime | None = Field(default=None)
     last_poll: PollStatus | None = Field(default=None)
     warm_pool: WarmPoolStatus | None = Field(default=None, description="Warm pool estimates.")
@@ -802,12 +810,25 @@ class ImpVMRunnerPool(ApiModel):
     plural: ClassVar[str] = "impvmrunnerpools"
     short_names: ClassVar[list[str]] = ["imprp"]
     namespaced: ClassVar[bool] = True
+    #: Rules on the whole object (only metadata.name and generateName are visible to them).
+    object_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            f"size(self.metadata.name) <= {MAX_POOL_NAME}",
+            f"metadata.name: a pool name is at most {MAX_POOL_NAME} characters (it is the value "
+            "of the imp.dev/runner-pool label on its VMs)",
+        )
+    ]
     printer_columns: ClassVar[list[dict[str, Any]]] = [
         {"name": "Platform", "type": "string", "jsonPath": ".spec.platform.type"},
         {"name": "Template", "type": "string", "jsonPath": ".spec.templateName"},
         {"name": "Idle", "type": "integer", "jsonPath": ".status.idle"},
         {"name": "Busy", "type": "integer", "jsonPath": ".status.busy"},
         {"name": "Desired", "type": "integer", "jsonPath": ".status.desired"},
+        {
+            "name": "Ready",
+            "type": "string",
+            "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+        },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
 
