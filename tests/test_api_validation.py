@@ -494,3 +494,35 @@ def test_pool_without_warm_pool_stays_fixed(kube: Client, namespace: str) -> Non
     assert got.spec.scaling is not None and got.spec.scaling.warm_pool is None
     policy = WarmPoolPolicy.from_spec(got.spec.scaling)
     assert (policy.mode, policy.min_idle, policy.max_idle) == ("fixed", 1, 1)
+
+
+def test_pool_names_are_capped_at_the_label_limit(kube: Client, namespace: str) -> None:
+    """A pool's name is the value of the imp.dev/runner-pool label on its VMs: at most 63."""
+    msg = rejected(kube, ImpVMRunnerPoolResource, base_pool(namespace, "p" * 64))
+    assert "metadata.name" in msg and "63" in msg, msg
+    kube.create(ImpVMRunnerPoolResource.from_dict(base_pool(namespace, "p" * 63)))
+
+
+@pytest.mark.controlplane
+def test_ready_column_shows_a_broken_pool(
+    control_plane: ControlPlane, kube: Client, namespace: str
+) -> None:
+    kube.create(ImpVMRunnerPoolResource.from_dict(base_pool(namespace, "broken")))
+    ready = {
+        "type": "Ready",
+        "status": "False",
+        "reason": "CredentialsError",
+        "message": "credentials Secret 'github-runner-app' not found",
+        "lastTransitionTime": "2026-01-01T00:00:00Z",
+    }
+    kube.patch(
+        ImpVMRunnerPoolResource.Status,
+        "broken",
+        {"status": {"idle": 0, "busy": 0, "desired": 1, "conditions": [ready]}},
+        namespace=namespace,
+        patch_type=PatchType.MERGE,
+    )
+    table = kubectl(control_plane, "get", "imprp", "-n", namespace)
+    assert table.returncode == 0, table.stderr
+    header, row = (line.split() for line in table.stdout.splitlines()[:2])
+    assert dict(zip(header, row, strict=False))["READY"] == "False", table.stdout

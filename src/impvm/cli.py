@@ -22,9 +22,7 @@ app = typer.Typer(
     # <bool>`)
     rich_markup_mode=None,
 )
-dev_app = typer.Typer(
-    help="The embedded local stack.", no_args_is_help=True, rich_markup_mode=None
-)
+dev_app = typer.Typer(help="The embedded local stack.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(dev_app, name="dev")
 app.add_typer(simulate_app, name="simulate")
 

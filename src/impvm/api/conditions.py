@@ -47,10 +47,6 @@ class ConditionSet:
         }
         return changed and (status or old is not None)
 
-    def get(self, type_: str) -> dict[str, Any] | None:
-        """The condition of ``type_`` as it stands, or None."""
-        return self._items.get(type_)
-
     def ours(self) -> list[dict[str, Any]]:
         """The conditions this writer set, sorted by type."""
         return [self._items[t] for t in sorted(self.touched)]

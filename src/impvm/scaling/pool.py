@@ -666,6 +666,7 @@ def decide(snapshot: PoolSnapshot) -> ScalePlan:
             "runners cannot be deregistered safely this pass"
         )
 
+    removed = {d.name for d in (*surplus_deletions, *rollout)}
     counts = Counts(
         starting=observed[VMState.STARTING],
         idle=observed[VMState.IDLE],
@@ -682,6 +683,7 @@ def decide(snapshot: PoolSnapshot) -> ScalePlan:
         create_reason=create_reason,
         delete_vms=(*terminal, *github_based, *surplus_deletions, *rollout),
         delete_registrations=tuple(orphans),
-        mint_secrets=tuple(mints),
+        # a VM removed this pass (surplus, outdated) needs no JIT config any more
+        mint_secrets=tuple(m for m in mints if m.name not in removed),
         notes=tuple(notes),
     )

@@ -639,7 +639,9 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
                 text = f"{text}; resets {k8s_time(reset)}"
             changed = conds.set(ctype, True, reason, text, now)
         if changed or before != said:
-            events.append(EventSpec("GitHubError", said, warning=True))
+            # a Secret lacking a key is a local problem, not an answer of GitHub's
+            reason = "CredentialsInvalid" if f.kind == "CredentialsError" else "GitHubError"
+            events.append(EventSpec(reason, said, warning=True))
         if f.vm is not None:
             delay = _wait(backoff, mono)
             ready_failure = (
