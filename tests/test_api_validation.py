@@ -23,6 +23,7 @@ from impvm.api.resources import (
     ImpVMTemplateResource,
 )
 from impvm.devstack.controlplane import ControlPlane
+from impvm.devstack.stack import example_scaling, pool_manifest
 from impvm.scaling.warmpool import WarmPoolPolicy, WarmPoolState
 from tests.conftest import REPO
 
@@ -45,30 +46,7 @@ def kubectl(
 
 
 def base_pool(namespace: str, name: str = "p") -> dict[str, Any]:
-    return {
-        "apiVersion": "imp.dev/v1alpha1",
-        "kind": "ImpVMRunnerPool",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "templateName": "gh-runner",
-            "labels": ["imp"],
-            "platform": {
-                "type": "github-actions",
-                "scope": {"org": "my-org"},
-                "runnerGroup": "omni-runner",
-                "credentialsSecret": "github-runner-app",
-                "tokenSource": "github_app",
-            },
-            "scaling": {
-                "mode": "polling",
-                "minIdle": 1,
-                "maxConcurrent": 5,
-                "scaleUpStep": 1,
-                "cooldownSeconds": 30,
-                "polling": {"enabled": True, "intervalSeconds": 30},
-            },
-        },
-    }
+    return pool_manifest(name, namespace, example_scaling())
 
 
 def rejected(kube: Client, resource: Any, obj: dict[str, Any]) -> str:

@@ -18,8 +18,8 @@ from lightkube.resources.core_v1 import Namespace
 from lightkube.types import PatchType
 
 from impvm.api.models import AGENT_LEASE_LABEL, API_VERSION, POOL_LABEL
-from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource, ImpVMTemplateResource
-from impvm.devstack.stack import ORG, REPO, RUNNER_GROUP
+from impvm.api.resources import ImpVMResource, ImpVMTemplateResource
+from impvm.devstack.stack import REPO
 from impvm.devstack.standin.state import Failure
 from impvm.github import RetryPolicy
 from impvm.operator.context import OperatorContext, OperatorSettings
@@ -31,6 +31,13 @@ pytestmark = [pytest.mark.controlplane]
 RUNNERS_PATH = "/orgs/{org}/actions/runners"
 RUNS_PATH = "/repos/{owner}/{repo}/actions/runs"
 NEW_IMAGE = "registry.example/imp/runner-base@sha256:" + "7" * 64
+
+
+async def new_template_image(env: PoolEnv) -> None:
+    """Point the pool's template at another image (what a user does to roll one out)."""
+    patch = {"spec": {"image": NEW_IMAGE}}
+    merge = PatchType.MERGE
+    await env.kube.patch(ImpVMTemplateResource, TEMPLATE, patch, namespace=env.ns, patch_type=merge)
 
 
 async def bound_vm(env: PoolEnv, node: str, suffix: str) -> str:
@@ -92,23 +99,7 @@ async def test_a_pool_with_the_longest_name_registers_runners(env: PoolEnv) -> N
     await env.create_class_and_template()
     await env.create_credentials()
     long_name = "l" * 60 + "ong"
-    body = {
-        "apiVersion": API_VERSION,
-        "kind": "ImpVMRunnerPool",
-        "metadata": {"name": long_name, "namespace": env.ns},
-        "spec": {
-            "templateName": TEMPLATE,
-            "labels": ["imp"],
-            "platform": {
-                "type": "github-actions",
-                "scope": {"org": ORG},
-                "runnerGroup": RUNNER_GROUP,
-                "credentialsSecret": "github-runner-app",
-            },
-            "scaling": {"minIdle": 2, "maxConcurrent": 3, "scaleUpStep": 2, "cooldownSeconds": 30},
-        },
-    }
-    await env.kube.create(ImpVMRunnerPoolResource.from_dict(body))
+    await env.create_pool(long_name, minIdle=2, maxConcurrent=3, scaleUpStep=2)
     await PoolReconciler(env.ctx).reconcile((env.ns, long_name))
     vms = await env.vms()
     assert len(vms) == 2
@@ -146,12 +137,10 @@ async def test_a_rate_limit_is_reported_in_the_same_pass_without_waiting(
     assert len(env.requests("GET", RUNNERS_PATH)) == 3  # one each pass, no retry inside
 
     # during the backoff (60 s asked by GitHub's documentation): no call at all
-    env.clock.advance(30)
-    await env.run_pass()
+    await env.pass_after(30)
     assert len(env.requests("GET", RUNNERS_PATH)) == 3
     env.standin.state.failures.clear()
-    env.clock.advance(31)
-    await env.run_pass()
+    await env.pass_after(31)
     conds = await env.conditions()
     assert conds["RateLimited"]["status"] == "False" and conds["Ready"]["status"] == "True"
     await env.assert_no_secrets(caplog)
@@ -177,11 +166,9 @@ async def test_scale_down_waits_for_the_cooldown(env: PoolEnv) -> None:
     await env.run_pass()
     await env.bring_online()
     await env.patch_scaling(minIdle=1)
-    env.clock.advance(20)
-    await env.run_pass()
+    await env.pass_after(20)
     assert len(await env.vms()) == 2 and env.events_with("VMDeleted") == []
-    env.clock.advance(11)
-    await env.run_pass()
+    await env.pass_after(11)
     assert len(await env.vms()) == 1
     (ev,) = env.events_with("VMDeleted")
     assert "cooldown 30s elapsed" in ev.message
@@ -200,13 +187,7 @@ async def test_a_template_edit_rolls_out_to_idle_vms(env: PoolEnv) -> None:
 
     mem = env.ctx.pool((env.ns, POOL))
     mem.wake.clear()
-    await env.kube.patch(
-        ImpVMTemplateResource,
-        TEMPLATE,
-        {"spec": {"image": NEW_IMAGE}},
-        namespace=env.ns,
-        patch_type=PatchType.MERGE,
-    )
+    await new_template_image(env)
     env.ctx.wake_using(env.ns, TEMPLATE, None)  # what the template's watch handler calls
     assert mem.wake.is_set()
 
@@ -234,16 +215,9 @@ async def test_a_busy_outdated_vm_finishes_its_job(env: PoolEnv) -> None:
     (old,) = await env.vms()
     env.standin.state.queue_job(REPO, ["self-hosted", "imp"])
     await env.runner_call(old, "/acquire", {"wait": 0})
-    await env.kube.patch(
-        ImpVMTemplateResource,
-        TEMPLATE,
-        {"spec": {"image": NEW_IMAGE}},
-        namespace=env.ns,
-        patch_type=PatchType.MERGE,
-    )
+    await new_template_image(env)
     for _ in range(3):
-        env.clock.advance(31)
-        await env.run_pass()
+        await env.pass_after(31)
     assert old["metadata"]["name"] in {v["metadata"]["name"] for v in await env.vms()}
     assert (await env.status())["outdated"] == 1
 
@@ -263,11 +237,9 @@ async def test_webhook_mode_safety_poll_period_is_a_setting(env: PoolEnv) -> Non
         await env.run_pass(ctx)
         first = polls()
         assert first > 0  # at start: an operator restart loses no job
-        env.clock.advance(59)
-        await env.run_pass(ctx)
+        await env.pass_after(59, ctx)
         assert polls() == first
-        env.clock.advance(2)
-        await env.run_pass(ctx)
+        await env.pass_after(2, ctx)
         assert polls() > first
     finally:
         await ctx.close()
@@ -282,13 +254,11 @@ async def test_a_job_whose_completed_delivery_was_lost_is_not_kept_in_progress(
     job = env.standin.state.queue_job(REPO, ["self-hosted", "imp"])
     (vm,) = await env.vms()
     await env.runner_call(vm, "/acquire", {"wait": 0})
-    env.clock.advance(31)
-    await env.run_pass()  # the poll sees the job in progress on our runner
+    await env.pass_after(31)  # the poll sees the job in progress on our runner
     assert env.ctx.jobs.jobs[job.id].status == "in_progress"
     assert (await env.vm(vm["metadata"]["name"]))["status"]["job"]["id"] == job.id
 
     await env.runner_call(vm, f"/jobs/{job.id}/complete", {"conclusion": "success"})
-    env.clock.advance(31)  # no webhook reaches the operator: only the next poll can tell
-    await env.run_pass()
+    await env.pass_after(31)  # no webhook reaches the operator: only the next poll can tell
     assert job.id not in env.ctx.jobs.jobs
     assert env.ctx.jobs.running_on([vm["metadata"]["name"]]) == {}

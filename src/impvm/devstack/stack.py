@@ -119,6 +119,80 @@ spec:
 """
 
 
+def example_scaling() -> dict[str, Any]:
+    """``spec.scaling`` of the example pool (a fresh copy)."""
+    docs = list(yaml.safe_load_all(SEED_EXAMPLE))
+    scaling: dict[str, Any] = docs[2]["spec"]["scaling"]
+    return scaling
+
+
+def make_private_key(pkcs8: bool = False) -> str:
+    """A fresh 2048-bit RSA key as PEM (PKCS#1 by default, PKCS#8 with ``pkcs8``): an App's."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    fmt = (
+        serialization.PrivateFormat.PKCS8
+        if pkcs8
+        else serialization.PrivateFormat.TraditionalOpenSSL
+    )
+    return key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption()).decode()
+
+
+def app_secret(
+    name: str,
+    namespace: str,
+    app_id: int,
+    installation_id: int,
+    private_key: str | None,
+    **override: str | None,
+) -> Secret:
+    """A pool's credentials Secret for a GitHub App (keys as docs/architecture.md names them);
+    ``override`` replaces keys (None drops one)."""
+    data: dict[str, str | None] = {
+        "github_app_id": str(app_id),
+        "github_app_installation_id": str(installation_id),
+        "github_app_private_key": private_key,
+        **override,
+    }
+    encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items() if v is not None}
+    return Secret(metadata=ObjectMeta(name=name, namespace=namespace), type="Opaque", data=encoded)
+
+
+def pool_manifest(
+    name: str,
+    namespace: str,
+    scaling: dict[str, Any],
+    *,
+    labels: list[str] | None = None,
+    template: str = "gh-runner",
+    org: str = ORG,
+    runner_group: str | None = RUNNER_GROUP,
+    credentials_secret: str = CREDENTIALS_SECRET,
+    **spec: Any,
+) -> dict[str, Any]:
+    """An ImpVMRunnerPool in ``namespace`` registering in ``org`` with the App's credentials;
+    ``spec`` adds top-level spec fields."""
+    platform: dict[str, Any] = {
+        "type": "github-actions",
+        "scope": {"org": org},
+        "credentialsSecret": credentials_secret,
+        "tokenSource": "github_app",
+    }
+    if runner_group is not None:
+        platform["runnerGroup"] = runner_group
+    return {
+        "apiVersion": "imp.dev/v1alpha1",
+        "kind": "ImpVMRunnerPool",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "templateName": template,
+            "labels": ["imp"] if labels is None else labels,
+            "platform": platform,
+            "scaling": scaling,
+            **spec,
+        },
+    }
+
+
 def random_webhook_secret() -> str:
     """A random webhook secret (URL-safe, 32 bytes of entropy)."""
     import secrets
@@ -227,12 +301,7 @@ class Stack:
 
     def _seed_github(self) -> None:
         assert self.standin is not None
-        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        self.private_key_pem = key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.TraditionalOpenSSL,
-            serialization.NoEncryption(),
-        ).decode()
+        self.private_key_pem = make_private_key()
         st = self.standin.state
         st.add_app(APP_ID, self.private_key_pem)
         st.add_org(ORG)
@@ -274,17 +343,8 @@ class Stack:
 
     async def _write_credentials(self, namespace: str = NAMESPACE) -> None:
         assert self.kube is not None
-        data = {
-            "github_app_id": str(APP_ID),
-            "github_app_installation_id": str(INSTALLATION_ID),
-            "github_app_private_key": self.private_key_pem,
-        }
         await self.kube.create(
-            Secret(
-                metadata=ObjectMeta(name=CREDENTIALS_SECRET, namespace=namespace),
-                type="Opaque",
-                data={k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
-            )
+            app_secret(CREDENTIALS_SECRET, namespace, APP_ID, INSTALLATION_ID, self.private_key_pem)
         )
 
     async def _setup_webhooks(self, namespace: str = NAMESPACE) -> None:
@@ -349,24 +409,7 @@ class Stack:
             }
         if mode in ("webhook", "hybrid"):
             scaling["webhook"] = {"secretRef": {"name": WEBHOOK_SECRET}}
-        doc = {
-            "apiVersion": "imp.dev/v1alpha1",
-            "kind": "ImpVMRunnerPool",
-            "metadata": {"name": name, "namespace": NAMESPACE},
-            "spec": {
-                "templateName": "gh-runner",
-                "labels": labels,
-                "platform": {
-                    "type": "github-actions",
-                    "scope": {"org": ORG},
-                    "runnerGroup": RUNNER_GROUP,
-                    "credentialsSecret": CREDENTIALS_SECRET,
-                    "tokenSource": "github_app",
-                },
-                "scaling": scaling,
-                **(extra or {}),
-            },
-        }
+        doc = pool_manifest(name, NAMESPACE, scaling, labels=labels, **(extra or {}))
         await self.kube.create(ImpVMRunnerPoolResource.from_dict(doc))
 
     # ------------------------------------------------------------------ processes

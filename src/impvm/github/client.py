@@ -386,11 +386,6 @@ class GitHubClient:
         view._permissions = dict(permissions)
         return view
 
-    @property
-    def credentials(self) -> Credentials:
-        """The credentials in use."""
-        return self._shared.credentials
-
     def use_credentials(self, credentials: Credentials) -> None:
         """Use new credentials of the same installation (a rotated App key): cached tokens,
         ETags and connections are kept."""

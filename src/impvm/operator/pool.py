@@ -62,6 +62,9 @@ class PoolReconciler:
         if plan.poll is not None and github is not None:
             world = await self._poll(world, github)
             plan = decide(world)
+        log.debug(
+            "pool %s/%s: %d acts: %s", *key, plan.acts, plan.sizing and plan.sizing.create_reason
+        )
         act = PlanExecutor(self.ctx, world, github)
         outcome = await act.run(plan)
         done = settle(world, plan, outcome)

@@ -614,21 +614,24 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
         )
         poll = PollState(mono, poll.busy_at_poll)  # try again next interval
 
+    def failed(message: str, at_least: float = 0.0) -> BackoffState:
+        s = world.settings
+        return backoff.failed(
+            mono,
+            world.jitter,
+            message=message,
+            at_least=at_least,
+            base=s.backoff_base_seconds,
+            cap=s.backoff_cap_seconds,
+        )
+
     failures = [f for f in (g.failure, world.polled and world.polled.failure, outcome.failure) if f]
     last_failure: GitHubFailure | None = None
     for f in failures:
         mapped = github_condition(f)
         said = mapped[2] if mapped else f.message  # what the Event and the backoff say
         before = backoff.last_error
-        at_least = f.retry_after if f.kind == "RateLimited" else 0.0
-        backoff = backoff.failed(
-            mono,
-            world.jitter,
-            message=said,
-            at_least=at_least,
-            base=world.settings.backoff_base_seconds,
-            cap=world.settings.backoff_cap_seconds,
-        )
+        backoff = failed(said, f.retry_after if f.kind == "RateLimited" else 0.0)
         if mapped is None:
             changed = ready_failure is None
             ready_failure = ready_failure or ("GitHubRejected", f.message)
@@ -652,13 +655,7 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
     if outcome.secret_write_failed:
         msg = outcome.secret_write_failed
         # each retry mints (and replaces) a registration: back off like a GitHub error
-        backoff = backoff.failed(
-            mono,
-            world.jitter,
-            message=msg,
-            base=world.settings.backoff_base_seconds,
-            cap=world.settings.backoff_cap_seconds,
-        )
+        backoff = failed(msg)
         ready_failure = ("SecretWriteFailed", msg)
         events.append(EventSpec("SecretWriteFailed", msg, warning=True))
     wants_github = sizing.create > 0 or any(
@@ -670,16 +667,11 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
     if g.connected and not g.skipped and not failures and not outcome.secret_write_failed:
         backoff = backoff.succeeded()
 
-    c, created = sizing.counts, outcome.created
-    status.update(
-        starting=c.starting + created,
-        idle=c.idle,
-        busy=c.busy,
-        total=c.total + created,
-        desired=c.desired,
-        pendingJobs=c.pending,
-        outdated=c.outdated,
-    )
+    created = outcome.created
+    c = replace(sizing.counts, starting=sizing.counts.starting + created)
+    c = replace(c, total=c.total + created)  # with the VMs this pass made
+    status.update(starting=c.starting, idle=c.idle, busy=c.busy, total=c.total)
+    status.update(desired=c.desired, pendingJobs=c.pending, outdated=c.outdated)
     if created:
         status["lastScaleUpTime"] = k8s_time(now)
         events.append(
@@ -705,25 +697,15 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
             "Ready",
             True,
             "Reconciled",
-            f"{c.idle} idle, {c.busy} busy, {c.starting + created} starting; desired {c.desired}",
+            f"{c.idle} idle, {c.busy} busy, {c.starting} starting; desired {c.desired}",
             now,
         )
     s = world.settings
-    busy = sizing.create > created or c.starting > 0 or bool(sizing.mint_secrets)
+    busy = sizing.create > created or sizing.counts.starting > 0 or bool(sizing.mint_secrets)
     requeue = s.busy_resync_seconds if busy else s.resync_seconds
     if not backoff.ready(mono):
         requeue = min(requeue, max(1.0, _wait(backoff, mono)))
-    counts = Counts(
-        starting=c.starting + created,
-        idle=c.idle,
-        busy=c.busy,
-        terminating=c.terminating,
-        total=c.total + created,
-        desired=c.desired,
-        pending=c.pending,
-        outdated=c.outdated,
-    )
-    return _settlement(world, status, conds, events, backoff, poll, requeue, counts)
+    return _settlement(world, status, conds, events, backoff, poll, requeue, c)
 
 
 def _settlement(
