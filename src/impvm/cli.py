@@ -1,4 +1,4 @@
-"""The ``impvm`` command (DESIGN.md, fixed interfaces: CLI)."""
+"""The ``impvm`` command (docs/architecture.md, fixed interfaces: CLI)."""
 
 from __future__ import annotations
 

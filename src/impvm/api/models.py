@@ -22,7 +22,7 @@ GROUP = "imp.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-#: Label on every VM of a pool (DESIGN.md, fixed interfaces).
+#: Label on every VM of a pool (docs/architecture.md, fixed interfaces).
 POOL_LABEL = "imp.dev/runner-pool"
 #: Annotation on a pool holding an external demand signal (an integer).
 DEMAND_ANNOTATION = "imp.dev/runner-demand"

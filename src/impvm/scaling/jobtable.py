@@ -1,7 +1,7 @@
 """The job table: what the operator knows of workflow jobs, fed by webhooks and polling.
 
 Pure and in-memory (no I/O, time is an argument): after a restart it is rebuilt from GitHub (a
-poll) and from ``ImpVM.status.job`` (DESIGN.md: in-memory state is a cache).
+poll) and from ``ImpVM.status.job`` (docs/architecture.md: in-memory state is a cache).
 
 Rules:
 
