@@ -118,16 +118,18 @@ def test_runner_names_fit_github_and_stay_the_pools(name: str, uid: Any, n: int)
     full = vm_name(prefix, f"{n:06x}")
     assert len(full) <= MAX_RUNNER_NAME
     assert owns_runner_name(prefix, full)
-    assert not owns_runner_name(prefix, full + "0")
+    assert owns_runner_name(prefix, prefix + "orphan1")  # a leftover with the prefix is ours
     assert prefix[-7:-1] == "-" + str(uid).replace("-", "")[:5]
     # stable: the same pool always has the same prefix (the orphan sweep relies on it)
     assert runner_prefix(pool, str(uid)) == prefix
 
 
 def test_overlapping_and_equal_pool_names_never_own_each_others_runners() -> None:
-    a = runner_prefix("ci", "abcde000-0000")
-    b = runner_prefix("ci-abcde", "fghij000-0000")  # a runner of b starts with a's prefix
+    a = runner_prefix("ci", "0a1b2000-0000")
+    b = runner_prefix("ci-0a1b2", "3c4d5000-0000")  # a runner of b starts with a's prefix
     assert not owns_runner_name(a, vm_name(b, "123456"))
+    c = runner_prefix("ci-0a1b2-x", "6e7f8000-0000")
+    assert not owns_runner_name(a, vm_name(c, "abcdef"))
     long = "x" * 63
     in_ns1, in_ns2 = runner_prefix(long, "11111-aaa"), runner_prefix(long, "22222-bbb")
     assert in_ns1 != in_ns2 and len(vm_name(in_ns1, "abcdef")) == 64

@@ -9,9 +9,11 @@ Rules and their sources:
   a DNS-1123 subdomain), so the whole name is at most 64. The uid part keeps pools with equal
   or overlapping names (in one namespace or in two) from claiming each other's runners (GARM:
   only ever touch runners this installation created).
-* A runner belongs to a pool only when its name is the pool's prefix plus exactly six
-  lowercase hex digits: the prefix ``ci-abcde-`` of pool ``ci`` is not the owner of
-  ``ci-abcde-fghij-123456`` (a runner of a pool named ``ci-abcde``).
+* A runner belongs to a pool when its name starts with the pool's prefix, unless the rest
+  itself ends like another pool's runner name (``<uid[:5]>-<6 hex>``): the prefix ``ci-0a1b2-``
+  of pool ``ci`` is not the owner of ``ci-0a1b2-3c4d5-123456``, a runner of a pool named
+  ``ci-0a1b2``. Anything else with the prefix (say a registration left by a crashed pass) is the
+  pool's to clean up.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ UID_LEN = 5
 MAX_POOL_PART = MAX_RUNNER_NAME - SUFFIX_LEN - UID_LEN - 2
 
 _SUFFIX = re.compile(rf"[0-9a-f]{{{SUFFIX_LEN}}}")
+#: The end of a runner name of a pool whose name starts with another pool's prefix.
+_OTHER_POOL = re.compile(rf"(^|-)[0-9a-f]{{{UID_LEN}}}-[0-9a-f]{{{SUFFIX_LEN}}}$")
 
 
 def runner_prefix(pool_name: str, pool_uid: str) -> str:
@@ -47,8 +51,9 @@ def vm_name(prefix: str, suffix: str) -> str:
 
 
 def owns_runner_name(prefix: str, name: str) -> bool:
-    """Whether a runner (or VM) called ``name`` is one of the pool's with ``prefix``."""
-    return name.startswith(prefix) and _SUFFIX.fullmatch(name[len(prefix) :]) is not None
+    """Whether a runner (or VM) called ``name`` is one of the pool's with ``prefix`` (see the
+    module docstring)."""
+    return name.startswith(prefix) and _OTHER_POOL.search(name[len(prefix) :]) is None
 
 
 def secret_name(vm: str) -> str:
