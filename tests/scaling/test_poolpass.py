@@ -660,3 +660,31 @@ def test_vms_made_before_the_hash_annotation_compare_by_their_spec() -> None:
     old = vm("bbbbbb", runner=(2, True, False), annotated=False, image=NEW_IMAGE)
     plan = decide(world((same, old), (reg(1, "aaaaaa"), reg(2, "bbbbbb"))))
     assert plan.settlement is not None and plan.settlement.status["outdated"] == 1
+
+
+def test_manifests_make_the_pool_own_its_vms_and_each_vm_its_secret() -> None:
+    from impvm.scaling.poolpass import Mint, jit_secret_manifest, vm_manifest
+
+    w = world()
+    plan = decide(w)
+    assert plan.new_vm is not None
+    body = vm_manifest(w.pool, plan.new_vm, PREFIX + "abcdef")
+    (owner,) = body["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == (
+        "ImpVMRunnerPool",
+        w.pool.uid,
+        True,
+    )
+    assert body["metadata"]["labels"] == {"imp.dev/runner-pool": "pool"}
+    assert body["spec"] == plan.new_vm.spec
+    mint = Mint(
+        vm=PREFIX + "abcdef",
+        vm_uid="u-1",
+        secret=PREFIX + "abcdef-jit",
+        stale_runner_id=None,
+        record_only=False,
+    )
+    sec = jit_secret_manifest(w.pool, mint, "e30=")
+    (owner,) = sec["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"]) == ("ImpVM", mint.vm, "u-1")
+    assert sec["data"] == {"jitconfig": "ZTMwPQ=="}

@@ -9,27 +9,33 @@ accepted it (a busy runner answers 422).
 
 from __future__ import annotations
 
-import base64
 import logging
 import secrets as pysecrets
 from collections.abc import Awaitable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from lightkube.core.exceptions import ApiError
-from lightkube.models.meta_v1 import ObjectMeta, OwnerReference
 from lightkube.resources.core_v1 import Secret
 from lightkube.types import PatchType
 
 from impvm.api.conditions import merge_conditions
-from impvm.api.models import API_VERSION, JIT_SECRET_KEY, POOL_LABEL, PoolKey
+from impvm.api.models import API_VERSION, PoolKey
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
 from impvm.github import REPO_RUNNER_GROUP_ID, DeleteOutcome, GitHubClient
 from impvm.github.errors import GitHubError, InstallationUnavailable, RateLimited
 from impvm.operator.context import OperatorContext
 from impvm.operator.credentials import scope_of
 from impvm.scaling.names import secret_name, vm_name
-from impvm.scaling.poolpass import DeleteVM, EventSpec, Mint, Outcome, PoolPlan
+from impvm.scaling.poolpass import (
+    DeleteVM,
+    EventSpec,
+    Mint,
+    Outcome,
+    PoolPlan,
+    jit_secret_manifest,
+    vm_manifest,
+)
 from impvm.scaling.world import GitHubFailure, PoolWorld
 
 log = logging.getLogger("impvm.operator.pool")
@@ -140,23 +146,8 @@ class PlanExecutor:
     async def _create(self, plan: PoolPlan) -> tuple[str, str]:
         """Create one ImpVM as the plan says, controlled by the pool; returns name and uid."""
         assert plan.new_vm is not None
-        pool, new = self.world.pool, plan.new_vm
-        name = vm_name(pool.prefix, pysecrets.token_hex(3))
-        owner: dict[str, Any] = {"apiVersion": API_VERSION, "kind": "ImpVMRunnerPool"}
-        owner |= {
-            "name": pool.name,
-            "uid": pool.uid,
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }
-        meta: dict[str, Any] = {"name": name, "namespace": self.ns, "labels": dict(new.labels)}
-        meta |= {"annotations": dict(new.annotations), "ownerReferences": [owner]}
-        body = {
-            "apiVersion": API_VERSION,
-            "kind": "ImpVM",
-            "metadata": meta,
-            "spec": dict(new.spec),
-        }
+        name = vm_name(self.world.pool.prefix, pysecrets.token_hex(3))
+        body = vm_manifest(self.world.pool, plan.new_vm, name)
         created = (await self.ctx.kube.create(ImpVMResource.from_dict(body))).to_dict()
         return name, str(created["metadata"]["uid"])
 
@@ -180,21 +171,9 @@ class PlanExecutor:
             jit = await self.gh.generate_jitconfig(self.scope, m.vm, group, spec.labels)
         except GitHubError as e:
             return Outcome(failure=failure_of(e, vm=m.vm))
-        owner = OwnerReference(
-            apiVersion=API_VERSION,
-            kind="ImpVM",
-            name=m.vm,
-            uid=m.vm_uid,
-            controller=True,
-            blockOwnerDeletion=True,
-        )
-        labels = {POOL_LABEL: self.world.pool.name}
-        value = base64.b64encode(jit.encoded_jit_config.get_secret_value().encode()).decode()
-        meta = ObjectMeta(name=m.secret, namespace=self.ns, labels=labels, ownerReferences=[owner])
+        body = jit_secret_manifest(self.world.pool, m, jit.encoded_jit_config.get_secret_value())
         try:
-            await self.ctx.kube.create(
-                Secret(metadata=meta, type="Opaque", data={JIT_SECRET_KEY: value})
-            )
+            await self.ctx.kube.create(cast(Secret, Secret.from_dict(body)))
         except ApiError as e:
             if e.status.code != 409:
                 text = f"JIT Secret {m.secret} could not be written (HTTP {e.status.code})"

@@ -33,6 +33,7 @@ Failure boundaries (Kubernetes API conventions: conditions say what is wrong; Gi
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -41,7 +42,9 @@ from typing import Any
 from impvm.api.conditions import ConditionSet
 from impvm.api.models import (
     AGENT_FINALIZER,
+    API_VERSION,
     DEMAND_ANNOTATION,
+    JIT_SECRET_KEY,
     POOL_LABEL,
     TEMPLATE_HASH_ANNOTATION,
     TERMINAL_PHASES,
@@ -59,7 +62,7 @@ from impvm.scaling.pool import (
     parse_demand,
 )
 from impvm.scaling.pool import decide as size
-from impvm.scaling.world import BackoffState, GitHubFailure, PollState, PoolWorld, VMObj
+from impvm.scaling.world import BackoffState, GitHubFailure, PollState, PoolObj, PoolWorld, VMObj
 
 __all__ = [
     "CONDITION_TYPES",
@@ -77,8 +80,10 @@ __all__ = [
     "current_template_hash",
     "decide",
     "github_condition",
+    "jit_secret_manifest",
     "poll_wanted",
     "settle",
+    "vm_manifest",
 ]
 
 #: Condition types the pool pass owns (the reaper owns ``Reaper``).
@@ -291,6 +296,43 @@ def _new_vm(world: PoolWorld, digest: str) -> NewVM:
         labels={POOL_LABEL: world.pool.name},
         annotations={TEMPLATE_HASH_ANNOTATION: digest},
     )
+
+
+def _controller(kind: str, name: str, uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": kind,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def vm_manifest(pool: PoolObj, new: NewVM, name: str) -> dict[str, Any]:
+    """The ImpVM ``name`` as ``new`` describes it, in the pool's namespace, controlled by the
+    pool (the garbage collector removes it with the pool)."""
+    meta: dict[str, Any] = {"name": name, "namespace": pool.namespace}
+    meta |= {"labels": dict(new.labels), "annotations": dict(new.annotations)}
+    meta["ownerReferences"] = [_controller("ImpVMRunnerPool", pool.name, pool.uid)]
+    return {"apiVersion": API_VERSION, "kind": "ImpVM", "metadata": meta, "spec": dict(new.spec)}
+
+
+def jit_secret_manifest(pool: PoolObj, mint: Mint, jit_config: str) -> dict[str, Any]:
+    """The JIT Secret of VM ``mint.vm``: key ``jitconfig`` (base64), labelled for the pool,
+    controlled by the VM (it goes with the VM). ``jit_config`` is secret: this dict goes to the
+    API server and nowhere else."""
+    meta: dict[str, Any] = {"name": mint.secret, "namespace": pool.namespace}
+    meta["labels"] = {POOL_LABEL: pool.name}
+    meta["ownerReferences"] = [_controller("ImpVM", mint.vm, mint.vm_uid)]
+    value = base64.b64encode(jit_config.encode()).decode()
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "Opaque",
+        "data": {JIT_SECRET_KEY: value},
+    }
 
 
 def _github_usable(world: PoolWorld) -> bool:
