@@ -6,6 +6,7 @@ webhook-mode safety poll, cooldown, and jobs whose ``completed`` delivery was lo
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as dt
 import uuid
 
@@ -14,7 +15,7 @@ from lightkube import Client
 from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import Namespace
+from lightkube.resources.core_v1 import Namespace, Secret
 from lightkube.types import PatchType
 
 from impvm.api.models import AGENT_LEASE_LABEL, API_VERSION, POOL_LABEL
@@ -262,3 +263,23 @@ async def test_a_job_whose_completed_delivery_was_lost_is_not_kept_in_progress(
     await env.pass_after(31)  # no webhook reaches the operator: only the next poll can tell
     assert job.id not in env.ctx.jobs.jobs
     assert env.ctx.jobs.running_on([vm["metadata"]["name"]]) == {}
+
+
+async def test_the_webhook_secret_stays_known_while_a_pass_rereads_it(env: PoolEnv) -> None:
+    """A delivery that arrives while a pass re-reads the pool's webhook Secret must still
+    verify for that pool (else its job is routed without it, and waits for a safety poll)."""
+    await env.create_class_and_template()
+    await env.create_credentials()
+    data = {"webhook_secret": base64.b64encode(b"hook-secret").decode()}
+    await env.kube.create(Secret(metadata=ObjectMeta(name="hook", namespace=env.ns), data=data))
+    await env.create_pool(mode="webhook", webhook={"secretRef": {"name": "hook"}})
+    await env.run_pass()
+    mem = env.ctx.pool((env.ns, POOL))
+    assert mem.webhook_secret == "hook-secret"
+    seen: set[str | None] = set()
+    task = env.start_pass()
+    while not task.done():
+        seen.add(mem.webhook_secret)
+        await asyncio.sleep(0)
+    await env.finish_pass(task)
+    assert seen == {"hook-secret"}

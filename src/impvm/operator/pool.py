@@ -130,15 +130,14 @@ class PoolReconciler:
         mem.prefix = pool.prefix
         scaling = spec.scaling
         ref = scaling.webhook.secret_ref if scaling and scaling.webhook else None
-        mem.webhook_secret = None
         if ref is None or scaling is None or scaling.mode not in ("webhook", "hybrid"):
+            mem.webhook_secret = None
             return None
+        # replaced in one step: a delivery arriving while the Secret is read still verifies
         sec = await self.ctx.sources.get(Secret, ref.name, pool.namespace)
-        if sec is None:
-            return ref.name
-        raw = (sec.get("data") or {}).get(WEBHOOK_SECRET_KEY)
+        raw = ((sec or {}).get("data") or {}).get(WEBHOOK_SECRET_KEY)
         mem.webhook_secret = base64.b64decode(raw).decode() if raw else None
-        return None
+        return ref.name if sec is None else None
 
     async def _github(
         self, pool: PoolObj, world: PoolWorld
