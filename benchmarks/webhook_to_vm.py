@@ -73,7 +73,7 @@ async def measure(pools: int, samples: int) -> tuple[list[float], list[float]]:
             await s.add_pool(n, [n], min_idle=0, max_concurrent=samples + 1, scale_up_step=10)
 
         async def all_passed() -> bool:  # each pool registered its webhook secret
-            return all("observedGeneration" in await s.pool_status(n) for n in names)
+            return all(["observedGeneration" in await s.pool_status(n) for n in names])
 
         await wait_for("every pool's first pass", all_passed, 300, s)
         url = f"http://127.0.0.1:{s.operator_http_port}/webhooks/github"

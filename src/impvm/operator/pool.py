@@ -65,10 +65,12 @@ class PoolReconciler:
         log.debug(
             "pool %s/%s: %d acts: %s", *key, plan.acts, plan.sizing and plan.sizing.create_reason
         )
+        mem = self.ctx.pool(key)
+        if plan.settlement is not None:  # kept even if an act raises: failures seen so far
+            mem.backoff, mem.poll = plan.settlement.backoff, plan.settlement.poll
         act = PlanExecutor(self.ctx, world, github)
         outcome = await act.run(plan)
         done = settle(world, plan, outcome)
-        mem = self.ctx.pool(key)
         mem.backoff, mem.poll = done.backoff, done.poll
         for event in done.events:
             await act.event(event)
