@@ -18,9 +18,9 @@ from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Namespace, Secret
 from lightkube.types import PatchType
 
-from impvm.api.models import AGENT_LEASE_LABEL, API_VERSION, POOL_LABEL
-from impvm.api.resources import ImpVMResource, ImpVMTemplateResource
-from impvm.devstack.stack import REPO
+from impvm.api.models import AGENT_LEASE_LABEL, API_VERSION, POOL_LABEL, Platform
+from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource, ImpVMTemplateResource
+from impvm.devstack.stack import APP_ID, INSTALLATION_ID, REPO, app_secret
 from impvm.devstack.standin.state import Failure
 from impvm.github import RetryPolicy
 from impvm.operator.context import OperatorContext, OperatorSettings
@@ -283,3 +283,29 @@ async def test_the_webhook_secret_stays_known_while_a_pass_rereads_it(env: PoolE
         await asyncio.sleep(0)
     await env.finish_pass(task)
     assert seen == {"hook-secret"}
+
+
+async def test_pools_of_one_installation_share_one_client_and_its_tokens(env: PoolEnv) -> None:
+    """Two pools whose credentials Secrets name the same App installation use one client: one
+    token cache, so the second pool mints no token of its own; the reaper gets the same one."""
+    await env.ready_pool()
+    await env.run_pass()
+    tokens = len(env.requests("POST", "/app/installations/{installation_id}/access_tokens"))
+    assert tokens > 0
+    await env.kube.create(app_secret("creds-2", env.ns, APP_ID, INSTALLATION_ID, env.private_key))
+    other = "ci-pool-2"
+    await env.create_pool(other)
+    await env.kube.patch(
+        ImpVMRunnerPoolResource,
+        other,
+        {"spec": {"platform": {"credentialsSecret": "creds-2"}}},
+        namespace=env.ns,
+        patch_type=PatchType.MERGE,
+    )
+    await PoolReconciler(env.ctx).reconcile((env.ns, other))
+    assert len(env.requests("POST", "/app/installations/{installation_id}/access_tokens")) == tokens
+    first = (await env.pool())["spec"]["platform"]
+    second = (await env.kube.get(ImpVMRunnerPoolResource, other, namespace=env.ns)).to_dict()
+    a = await env.ctx.github.client(env.ns, Platform.model_validate(first))
+    b = await env.ctx.github.client(env.ns, Platform.model_validate(second["spec"]["platform"]))
+    assert a is b
