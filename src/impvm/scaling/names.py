@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from typing import Any
 
 #: GitHub's limit on a runner name (characters).
 MAX_RUNNER_NAME = 64
@@ -72,14 +73,17 @@ def template_hash(
     disk_gib: int | None,
     expire_after: str | None,
     allow_unpinned: bool,
+    network: dict[str, Any] | None = None,
 ) -> str:
     """16 hex digits naming what a VM is made from. Two VMs with equal hashes are
     interchangeable; a VM whose hash differs from what the pool makes now is outdated."""
-    doc = {
+    doc: dict[str, Any] = {
         "image": image,
         "runnerLayer": runner_layer,
         "class": [class_name, vcpu, memory_mib, disk_gib],
         "expireAfter": expire_after,
         "allowUnpinnedImages": allow_unpinned,
     }
+    if network is not None:  # the pool's egress policy: a change recycles idle VMs too
+        doc["network"] = network
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]

@@ -275,12 +275,14 @@ def current_template_hash(world: PoolWorld) -> str | None:
         disk_gib=c.spec.disk_gib,
         expire_after=spec.expire_after or t.spec.expire_after,
         allow_unpinned=bool(spec.allow_unpinned_images or t.spec.allow_unpinned_images),
+        network=spec.network.wire() if spec.network is not None else None,
     )
 
 
 def _new_vm(world: PoolWorld, digest: str) -> NewVM:
     """A VM from the template: ephemeral, labelled, class and image copied; runnerLayer and
-    expireAfter from the pool, else the template."""
+    expireAfter from the pool, else the template; the pool's egress policy copied (the class's
+    applies too, see :mod:`impvm.agent.network`)."""
     assert world.template is not None
     t, pool = world.template.spec, world.pool.spec
     spec: dict[str, Any] = {"classRef": {"name": t.class_ref.name}, "image": t.image}
@@ -291,6 +293,8 @@ def _new_vm(world: PoolWorld, digest: str) -> NewVM:
         spec["allowUnpinnedImages"] = True
     if expire := pool.expire_after or t.expire_after:
         spec["expireAfter"] = expire
+    if pool.network is not None:
+        spec["network"] = pool.network.wire()
     return NewVM(
         spec=spec,
         labels={POOL_LABEL: world.pool.name},
