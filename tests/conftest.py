@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from lightkube import Client
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace
@@ -16,6 +17,11 @@ from impvm.devstack.controlplane import ControlPlane
 from impvm.devstack.kube import admin_client, install_crds
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Hypothesis' per-example deadline is a timed assert: on a loaded 2-core machine it fails tests
+# whose logic is fine. Speed is measured in benchmarks/, never here.
+settings.register_profile("impvm", deadline=None)
+settings.load_profile("impvm")
 
 
 @pytest.fixture(scope="session")
