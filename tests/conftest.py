@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from lightkube import AsyncClient, Client
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.models.meta_v1 import ObjectMeta
@@ -20,6 +21,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: registry, test images, image store and the qemu runtime, shared by every runtime test
 pytest_plugins = ["tests.runtime_fixtures"]
+
+# Hypothesis' per-example deadline is a timed assert: on a loaded 2-core machine it fails tests
+# whose logic is fine. Speed is measured in benchmarks/, never here.
+settings.register_profile("impvm", deadline=None)
+settings.load_profile("impvm")
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import subprocess
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 import yaml
 from lightkube import Client
 from lightkube.core.exceptions import ApiError
+from lightkube.types import PatchType
 
 from impvm.api.models import ImpVMRunnerPool
 from impvm.api.resources import (
@@ -21,6 +23,8 @@ from impvm.api.resources import (
     ImpVMTemplateResource,
 )
 from impvm.devstack.controlplane import ControlPlane
+from impvm.devstack.stack import example_scaling, pool_manifest
+from impvm.scaling.warmpool import WarmPoolPolicy, WarmPoolState
 from tests.conftest import REPO
 
 DIGEST_A = "registry.example/imp/runner-base@sha256:" + "a" * 64
@@ -42,30 +46,7 @@ def kubectl(
 
 
 def base_pool(namespace: str, name: str = "p") -> dict[str, Any]:
-    return {
-        "apiVersion": "imp.dev/v1alpha1",
-        "kind": "ImpVMRunnerPool",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "templateName": "gh-runner",
-            "labels": ["imp"],
-            "platform": {
-                "type": "github-actions",
-                "scope": {"org": "my-org"},
-                "runnerGroup": "omni-runner",
-                "credentialsSecret": "github-runner-app",
-                "tokenSource": "github_app",
-            },
-            "scaling": {
-                "mode": "polling",
-                "minIdle": 1,
-                "maxConcurrent": 5,
-                "scaleUpStep": 1,
-                "cooldownSeconds": 30,
-                "polling": {"enabled": True, "intervalSeconds": 30},
-            },
-        },
-    }
+    return pool_manifest(name, namespace, example_scaling())
 
 
 def rejected(kube: Client, resource: Any, obj: dict[str, Any]) -> str:
@@ -93,7 +74,7 @@ def test_seed_minimal_example_applies_verbatim(control_plane: ControlPlane, kube
     table = kubectl(control_plane, "get", "imprp", "-n", "default")
     assert table.returncode == 0, table.stderr
     header = table.stdout.splitlines()[0].split()
-    assert header == ["NAME", "PLATFORM", "TEMPLATE", "IDLE", "BUSY", "DESIRED", "AGE"]
+    assert header == ["NAME", "PLATFORM", "TEMPLATE", "IDLE", "BUSY", "DESIRED", "READY", "AGE"]
     assert "ci-pool" in table.stdout and "github-actions" in table.stdout
     cat = kubectl(control_plane, "get", "imp", "-n", "default", "-o", "name")
     assert "impvmrunnerpool.imp.dev/ci-pool" in cat.stdout, cat.stdout + cat.stderr
@@ -198,6 +179,124 @@ POOL_CASES: list[tuple[str, str, Any, list[str]]] = [
         ["spec.reaper.intervalSeconds"],
     ),
     ("minIdle-negative", "spec.scaling.minIdle", -1, ["spec.scaling.minIdle"]),
+    # warm pool
+    (
+        "warmPool-mode-bad",
+        "spec.scaling.warmPool",
+        {"mode": "magic"},
+        ["spec.scaling.warmPool.mode", "Unsupported value"],
+    ),
+    (
+        "warmPool-adaptive-without-maxIdle",
+        "spec.scaling.warmPool",
+        {"mode": "adaptive"},
+        ["scaling.warmPool.maxIdle is required when scaling.warmPool.mode is adaptive"],
+    ),
+    (
+        "warmPool-fixed-with-safety",
+        "spec.scaling.warmPool",
+        {"safetyPercent": 150},
+        ["scaling.warmPool.safetyPercent is only used when scaling.warmPool.mode is adaptive"],
+    ),
+    (
+        "warmPool-fixed-with-half-life",
+        "spec.scaling.warmPool",
+        {"mode": "fixed", "arrivalHalfLifeSeconds": 60},
+        ["scaling.warmPool.arrivalHalfLifeSeconds is only used"],
+    ),
+    (
+        "warmPool-maxIdle-below-minIdle",
+        "spec.scaling.warmPool",
+        {"mode": "adaptive", "maxIdle": 0},
+        ["spec.scaling.warmPool.maxIdle", "greater than or equal to scaling.minIdle"],
+    ),
+    (
+        "warmPool-maxIdle-above-maxConcurrent",
+        "spec.scaling.warmPool",
+        {"mode": "adaptive", "maxIdle": 6},
+        ["spec.scaling.warmPool.maxIdle", "less than or equal to scaling.maxConcurrent"],
+    ),
+    (
+        "warmPool-safety-below-100",
+        "spec.scaling.warmPool",
+        {"mode": "adaptive", "maxIdle": 3, "safetyPercent": 50},
+        ["spec.scaling.warmPool.safetyPercent"],
+    ),
+    (
+        "warmPool-half-life-zero",
+        "spec.scaling.warmPool",
+        {"mode": "adaptive", "maxIdle": 3, "readyHalfLifeSamples": 0},
+        ["spec.scaling.warmPool.readyHalfLifeSamples"],
+    ),
+    (
+        "schedule-minute-61",
+        "spec.scaling.warmPool",
+        {"schedules": [{"name": "a", "start": "61 * * * *", "end": "0 8 * * *", "minIdle": 1}]},
+        ["spec.scaling.warmPool.schedules[0].start"],
+    ),
+    (
+        "schedule-six-fields",
+        "spec.scaling.warmPool",
+        {"schedules": [{"name": "a", "start": "0 7 * * *", "end": "0 0 8 * * *", "minIdle": 1}]},
+        ["spec.scaling.warmPool.schedules[0].end"],
+    ),
+    (
+        "schedule-empty-window",
+        "spec.scaling.warmPool",
+        {"schedules": [{"name": "a", "start": "0 8 * * *", "end": "0 8 * * *", "minIdle": 1}]},
+        ["spec.scaling.warmPool.schedules[0].end", "must differ from start"],
+    ),
+    (
+        "schedule-minIdle-above-maxConcurrent",
+        "spec.scaling.warmPool",
+        {"schedules": [{"name": "a", "start": "0 8 * * *", "end": "0 9 * * *", "minIdle": 6}]},
+        [
+            "scaling.warmPool.schedules[].minIdle must be less than or equal to scaling.maxConcurrent"
+        ],
+    ),
+    (
+        "schedule-duplicate-name",
+        "spec.scaling.warmPool",
+        {
+            "schedules": [
+                {"name": "a", "start": "0 8 * * *", "end": "0 9 * * *", "minIdle": 1},
+                {"name": "a", "start": "0 10 * * *", "end": "0 11 * * *", "minIdle": 1},
+            ]
+        },
+        ["spec.scaling.warmPool.schedules[1]", "Duplicate value"],
+    ),
+    (
+        "schedule-time-zone-path",
+        "spec.scaling.warmPool",
+        {
+            "schedules": [
+                {
+                    "name": "a",
+                    "start": "0 8 * * *",
+                    "end": "0 9 * * *",
+                    "minIdle": 1,
+                    "timeZone": "../../etc/passwd",
+                }
+            ]
+        },
+        ["spec.scaling.warmPool.schedules[0].timeZone"],
+    ),
+    (
+        "schedule-name-bad",
+        "spec.scaling.warmPool",
+        {
+            "schedules": [
+                {"name": "Work Hours", "start": "0 8 * * *", "end": "0 9 * * *", "minIdle": 1}
+            ]
+        },
+        ["spec.scaling.warmPool.schedules[0].name"],
+    ),
+    (
+        "schedule-minIdle-missing",
+        "spec.scaling.warmPool",
+        {"schedules": [{"name": "a", "start": "0 8 * * *", "end": "0 9 * * *"}]},
+        ["spec.scaling.warmPool.schedules[0].minIdle", "Required"],
+    ),
 ]
 
 
@@ -306,3 +405,102 @@ def test_models_parse_seed_example() -> None:
 
 def test_kubectl_is_built(control_plane: ControlPlane) -> None:
     assert Path(control_plane.kubectl).is_file()
+
+
+@pytest.mark.controlplane
+def test_warm_pool_accepted_and_its_state_round_trips_through_the_status(
+    kube: Client, namespace: str
+) -> None:
+    pool = base_pool(namespace, "warm")
+    pool["spec"]["scaling"]["minIdle"] = 0
+    pool["spec"]["scaling"]["warmPool"] = {
+        "mode": "adaptive",
+        "maxIdle": 4,
+        "safetyPercent": 250,
+        "arrivalHalfLifeSeconds": 300,
+        "readyHalfLifeSamples": 5,
+        "schedules": [
+            {
+                "name": "working-hours",
+                "start": "0 8 * * MON-FRI",
+                "end": "0\t18 * * mon-fri",
+                "timeZone": "Europe/Berlin",
+                "minIdle": 2,
+            },
+            {"name": "nights", "start": "*/30 22-23 * * *", "end": "0 6 * * *", "minIdle": 0},
+        ],
+    }
+    kube.create(ImpVMRunnerPoolResource.from_dict(pool))
+    got = ImpVMRunnerPool.model_validate(
+        kube.get(ImpVMRunnerPoolResource, "warm", namespace=namespace).to_dict()
+    )
+    assert got.spec.scaling is not None
+    policy = WarmPoolPolicy.from_spec(got.spec.scaling)
+    assert (policy.mode, policy.max_idle, policy.safety) == ("adaptive", 4, 2.5)
+    assert [s.name for s in policy.schedules] == ["working-hours", "nights"]
+    wp = got.spec.scaling.warm_pool
+    assert wp is not None and wp.schedules is not None and wp.schedules[1].time_zone == "UTC"
+
+    state = WarmPoolState(
+        arrival_rate_per_minute=0.1 + 0.2,  # not representable exactly in binary
+        ready_seconds=17.123456789,
+        ready_samples=12,
+        updated_at=datetime(2026, 3, 2, 8, 0, 1, 123456, tzinfo=UTC),
+    )
+    status = {"warmPool": state.to_status(target=3, active_schedule="working-hours").wire()}
+    kube.patch(
+        ImpVMRunnerPoolResource.Status,
+        "warm",
+        {"status": status},
+        namespace=namespace,
+        patch_type=PatchType.MERGE,
+    )
+    stored = ImpVMRunnerPool.model_validate(
+        kube.get(ImpVMRunnerPoolResource, "warm", namespace=namespace).to_dict()
+    )
+    assert stored.status is not None and stored.status.warm_pool is not None
+    assert WarmPoolState.from_status(stored.status.warm_pool) == state
+    assert stored.status.warm_pool.target == 3
+
+
+@pytest.mark.controlplane
+def test_pool_without_warm_pool_stays_fixed(kube: Client, namespace: str) -> None:
+    kube.create(ImpVMRunnerPoolResource.from_dict(base_pool(namespace, "plain")))
+    got = ImpVMRunnerPool.model_validate(
+        kube.get(ImpVMRunnerPoolResource, "plain", namespace=namespace).to_dict()
+    )
+    assert got.spec.scaling is not None and got.spec.scaling.warm_pool is None
+    policy = WarmPoolPolicy.from_spec(got.spec.scaling)
+    assert (policy.mode, policy.min_idle, policy.max_idle) == ("fixed", 1, 1)
+
+
+def test_pool_names_are_capped_at_the_label_limit(kube: Client, namespace: str) -> None:
+    """A pool's name is the value of the imp.dev/runner-pool label on its VMs: at most 63."""
+    msg = rejected(kube, ImpVMRunnerPoolResource, base_pool(namespace, "p" * 64))
+    assert "metadata.name" in msg and "63" in msg, msg
+    kube.create(ImpVMRunnerPoolResource.from_dict(base_pool(namespace, "p" * 63)))
+
+
+@pytest.mark.controlplane
+def test_ready_column_shows_a_broken_pool(
+    control_plane: ControlPlane, kube: Client, namespace: str
+) -> None:
+    kube.create(ImpVMRunnerPoolResource.from_dict(base_pool(namespace, "broken")))
+    ready = {
+        "type": "Ready",
+        "status": "False",
+        "reason": "CredentialsError",
+        "message": "credentials Secret 'github-runner-app' not found",
+        "lastTransitionTime": "2026-01-01T00:00:00Z",
+    }
+    kube.patch(
+        ImpVMRunnerPoolResource.Status,
+        "broken",
+        {"status": {"idle": 0, "busy": 0, "desired": 1, "conditions": [ready]}},
+        namespace=namespace,
+        patch_type=PatchType.MERGE,
+    )
+    table = kubectl(control_plane, "get", "imprp", "-n", namespace)
+    assert table.returncode == 0, table.stderr
+    header, row = (line.split() for line in table.stdout.splitlines()[:2])
+    assert dict(zip(header, row, strict=False))["READY"] == "False", table.stdout

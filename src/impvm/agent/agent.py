@@ -49,6 +49,7 @@ from lightkube.types import PatchType
 
 from impvm.agent import lifecycle as lc
 from impvm.agent.capacity import ZERO, Resources, total
+from impvm.agent.network.policy import EgressLayer, egress_layers
 from impvm.agent.runtime import (
     ImageError,
     Runtime,
@@ -470,8 +471,9 @@ class Agent:
     def _request(
         self, vm: lc.VMRecord, spec: ImpVMClassSpec | None, size: Resources | None
     ) -> VMRequest:
-        """The runtime request of a VM bound here. Without its class only stop and cleanup use
-        it (``decide`` starts no VM whose class is missing)."""
+        """The runtime request of a VM bound here, rebuilt at every decision from the class
+        cache (its size and egress policy). Without its class only stop and cleanup use it
+        (``decide`` starts no VM whose class is missing)."""
         return self._request_for(
             vm.vm_id,
             vm.namespace,
@@ -480,6 +482,7 @@ class Agent:
             vm,
             self.config.workdir / "vms" / vm.vm_id,
             disk_gib=spec.disk_gib if spec is not None else 1,
+            egress=egress_layers(spec.network if spec else None, vm.vm.spec.network),
         )
 
     @staticmethod
@@ -491,8 +494,10 @@ class Agent:
         vm: lc.VMRecord | None,
         workdir: Path,
         disk_gib: int = 1,
+        egress: tuple[EgressLayer, ...] = (),
     ) -> VMRequest:
-        """A runtime request; ``vm`` gives image and runner layer (none for a stale workdir)."""
+        """A runtime request; ``vm`` gives image and runner layer (none for a stale workdir);
+        ``egress``: its network's policy layers (:func:`egress_layers`)."""
         spec = vm.vm.spec if vm is not None else None
         return VMRequest(
             vm_id=vm_id,
@@ -505,6 +510,7 @@ class Agent:
             memory_mib=size.memory_mib,
             disk_gib=disk_gib,
             workdir=workdir,
+            egress=egress,
         )
 
     def _written(self, raw: dict[str, Any]) -> None:

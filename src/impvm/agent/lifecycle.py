@@ -21,9 +21,13 @@ The ladder, first match wins (each rung names its :class:`Why`):
    fail on the ``expireAfter`` deadline (DeadlineExceeded), on a start that takes longer than
    the start timeout (StartTimeout), or when the runtime no longer knows the VM (Lost).
 
+The VM's own network (:mod:`impvm.agent.network`) sits at the two ends of the runtime's run: the
+runtime attaches it inside :class:`Start` just before the launch and detaches it inside
+:class:`Cleanup` just after the stop (:class:`~impvm.agent.runtime_base.RuntimeBase`), so a failed
+attach is a StartFailed like any other and every path that cleans a VM up removes its network.
+
 Where later capabilities slot in, without reshaping: a failing host preflight already gates
-claims (:class:`Preflight`); a per-VM network setup/teardown becomes a step before
-:class:`Start` and after :class:`Stop`; signature verification is part of :class:`Prepare`
+claims (:class:`Preflight`); signature verification is part of :class:`Prepare`
 (its failure arrives as :attr:`LocalFacts.failure`); keeping the console of a failed VM is an
 option of :class:`Cleanup` chosen in :func:`_fail`/:func:`_finish`; re-attaching a VM that
 survived an agent restart is a runtime status other than ``missing`` handled in rung 7.

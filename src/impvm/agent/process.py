@@ -3,9 +3,15 @@
 
 Sandbox (per VM):
 
-* own namespaces: ``--unshare-all --share-net`` (user/ipc/pid/uts/cgroup are private; the network
-  is shared so the runner reaches the GitHub stand-in on host loopback), ``--die-with-parent``
-  (VMs die with the agent), ``--new-session`` (no TIOCSTI into the agent's terminal);
+* own namespaces: ``--unshare-all --share-net`` (user/ipc/pid/uts/cgroup are private),
+  ``--die-with-parent`` (VMs die with the agent), ``--new-session`` (no TIOCSTI into the agent's
+  terminal);
+* network: with a node network (:class:`impvm.agent.network.node.NodeNetwork`) bwrap starts
+  inside the VM's own network namespace (``nsenter --net``: a veth pair to the node, NAT, the
+  same egress policy as a QEMU guest; ``/etc/resolv.conf`` names the node's resolvers). The
+  sandbox cannot reconfigure that namespace: it belongs to the agent's user namespace, not the
+  sandbox's. Without one (``--guest-network host``, development only) the sandbox shares the
+  agent's network and reaches everything the host reaches, loopback included;
 * ``/``: the prepared image rootfs, read-only. bwrap cannot create mount points on a read-only
   bind, so ``/`` is bwrap's tmpfs with every top-level entry of the rootfs bound read-only (and
   directories that contain a mount point split the same way), then ``--remount-ro /``;
@@ -30,8 +36,9 @@ real GitHub runner writes ``.runner``/``_diag`` under ``/home/runner/actions-run
 ``qemu`` runtime or a writable bind; the stand-in runner only writes to ``_work`` and ``/tmp``.
 
 State lives in memory (the agent is bwrap's parent and ``--die-with-parent`` ends VMs with it), so
-after an agent restart ``inspect`` reports ``missing``. Start, wait, tail, stop and cleanup are
-:class:`~impvm.agent.runtime_base.RuntimeBase`'s; this module supplies the sandbox.
+after an agent restart ``inspect`` reports ``missing``. Start, wait, tail, stop, cleanup and the
+network attach/detach are :class:`~impvm.agent.runtime_base.RuntimeBase`'s; this module supplies
+the sandbox.
 """
 
 from __future__ import annotations
@@ -48,12 +55,14 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from impvm.agent.images import ImageStore, PreparedImage
+from impvm.agent.network.node import GuestNetwork, NodeNetwork
 from impvm.agent.runtime import ImageError, Secret, VMRequest, VMRuntimeError
 from impvm.agent.runtime_base import CONSOLE_LOG, LaunchedVM, RuntimeBase, guest_hostname
 
 RUNNER = "/usr/local/bin/runner"
 WORK_DIR = PurePosixPath("/home/runner/_work")
 TMP_DIR = PurePosixPath("/tmp")  # noqa: S108 - a path inside the sandbox
+RESOLV_CONF = PurePosixPath("/etc/resolv.conf")
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -143,10 +152,12 @@ class ProcessRuntime(RuntimeBase[_SandboxVM]):
     ``store``: the image cache; ``extra_ro_binds``: host paths bound read-only at the same path;
     ``extra_env``: additional non-secret environment for the runner; ``auth_file``: registry auth
     (docker-config style) for pulls; ``bwrap``: the bubblewrap executable; ``tail_lines``: lines
-    returned in :attr:`RuntimeState.log_tail`.
+    returned in :attr:`RuntimeState.log_tail`; ``network``: the node's guest networks (``None``:
+    the sandbox shares the agent's network).
     """
 
     name = "process"
+    network_kind = "netns"
 
     def __init__(
         self,
@@ -157,20 +168,32 @@ class ProcessRuntime(RuntimeBase[_SandboxVM]):
         auth_file: Path | None = None,
         bwrap: str = "bwrap",
         tail_lines: int = 40,
+        network: NodeNetwork | None = None,
     ) -> None:
-        super().__init__(store, auth_file=auth_file, tail_lines=tail_lines)
+        super().__init__(store, auth_file=auth_file, tail_lines=tail_lines, network=network)
         self.extra_ro_binds = [Path(p) for p in extra_ro_binds]
         self.extra_env = dict(extra_env or {})
         if "IMP_GITHUB_JITCONFIG" in self.extra_env:
             raise ValueError("IMP_GITHUB_JITCONFIG is set per VM by start(), not in extra_env")
         self.bwrap = bwrap
 
-    def _bwrap_args(self, req: VMRequest, prepared: PreparedImage, status_fd: int) -> list[str]:
+    def _bwrap_args(
+        self,
+        req: VMRequest,
+        prepared: PreparedImage,
+        status_fd: int,
+        net: GuestNetwork | None = None,
+    ) -> list[str]:
         """bwrap's command line for one VM (see the module docstring); ``status_fd`` gets
-        bwrap's JSON status stream."""
+        bwrap's JSON status stream; with ``net`` bwrap runs in the VM's network namespace."""
         scratch = req.workdir / "scratch"
         binds: list[str] = []
         mounts = {PurePosixPath("/proc"), PurePosixPath("/dev"), TMP_DIR, WORK_DIR}
+        enter: list[str] = []
+        if net is not None and net.netns is not None:
+            enter = ["nsenter", f"--net={net.netns}", "--"]
+            mounts.add(RESOLV_CONF)
+            binds += ["--ro-bind", str(req.workdir / "resolv.conf"), str(RESOLV_CONF)]
         symlinks: dict[PurePosixPath, str] = {}
         for p in self.extra_ro_binds:
             dest = PurePosixPath(str(p))
@@ -180,6 +203,7 @@ class ProcessRuntime(RuntimeBase[_SandboxVM]):
                 mounts.add(dest)
                 binds += ["--ro-bind", str(p), str(dest)]
         return [
+            *enter,
             self.bwrap,
             "--unshare-all",
             "--share-net",
@@ -210,16 +234,20 @@ class ProcessRuntime(RuntimeBase[_SandboxVM]):
         ]
 
     async def _launch(
-        self, req: VMRequest, prepared: PreparedImage, jitconfig: Secret
+        self, req: VMRequest, prepared: PreparedImage, jitconfig: Secret, net: GuestNetwork | None
     ) -> _SandboxVM:
         """Launch the sandbox running ``/usr/local/bin/runner`` with ``IMP_GITHUB_JITCONFIG`` in
-        its environment only. Raises :class:`VMRuntimeError` when bwrap cannot be started."""
+        its environment only, in ``net``'s namespace (its resolvers in ``/etc/resolv.conf``).
+        Raises :class:`VMRuntimeError` when bwrap cannot be started."""
         req.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(req.workdir, 0o700)
         for d in ("scratch/tmp", "scratch/work"):
             (req.workdir / d).mkdir(mode=0o700, parents=True, exist_ok=True)
         # /tmp semantics inside the sandbox; the parent workdir is 0700.
         os.chmod(req.workdir / "scratch/tmp", 0o1777)  # noqa: S103
+        if net is not None:
+            resolv = "".join(f"nameserver {d}\n" for d in net.dns)
+            await asyncio.to_thread((req.workdir / "resolv.conf").write_text, resolv)
         env = {
             "PATH": _PATH,
             "HOME": "/home/runner",
@@ -234,7 +262,7 @@ class ProcessRuntime(RuntimeBase[_SandboxVM]):
         )
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self._bwrap_args(req, prepared, wfd),
+                *self._bwrap_args(req, prepared, wfd, net),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=logfd,
                 stderr=logfd,

@@ -32,14 +32,17 @@ only by the guest init (not the runner's console), which gives ``running`` and t
 ttyS2 ← the unix socket ``<workdir>/control.sock``: :meth:`stop` writes ``stop`` there, the init
 sends SIGTERM to every guest process and powers off when the runner ended.
 
-Network: QEMU user-mode networking (slirp): guest 10.0.2.15/24, gateway 10.0.2.2 = the host's
-loopback, DNS 10.0.2.3. Production needs a tap device on a bridge with NAT and an egress policy
-instead (slirp lets a guest reach every host loopback service).
+Network: with a node network (:class:`impvm.agent.network.node.NodeNetwork`, the default of
+``impvm agent``) each VM gets its own tap device (``-netdev tap``), NAT to the node's uplink and
+its egress policy; the guest's address, gateway and resolvers arrive in ``opt/imp/config``
+(``net`` and ``dns`` lines). Without one (``--guest-network host``, development only) QEMU
+user-mode networking (slirp): guest 10.0.2.15/24, gateway 10.0.2.2 = the host's loopback, DNS
+10.0.2.3 - no isolation at all, the guest reaches every host loopback service.
 
 Lifetime: QEMU runs as a child of the agent with ``PR_SET_PDEATHSIG=SIGKILL``, so VMs die with
 the agent (like bubblewrap's ``--die-with-parent``); after an agent restart ``inspect`` reports
 ``missing`` and ``cleanup`` removes what is left (QEMU's pid file is checked and a survivor
-killed). Start, wait, tail, stop and cleanup are
+killed). Start, wait, tail, stop, cleanup and the network attach/detach are
 :class:`~impvm.agent.runtime_base.RuntimeBase`'s; this module supplies the VM.
 """
 
@@ -59,6 +62,7 @@ from pathlib import Path
 from typing import Literal
 
 from impvm.agent.images import EvictedError, ImageStore, PreparedImage
+from impvm.agent.network.node import GuestNetwork, NodeNetwork
 from impvm.agent.qemu_accel import (
     AccelChoice,
     AcceleratorError,
@@ -125,10 +129,12 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
     (:func:`impvm.agent.qemu_accel.detect_accelerator`); ``state_dir``: agent-owned directory of
     the runtime (guest assets); ``extra_ro_binds``: host paths shared read-only at the same path;
     ``auth_file``: registry auth for pulls; ``qemu``: the QEMU executable; ``tail_lines``: lines in
-    :attr:`RuntimeState.log_tail`.
+    :attr:`RuntimeState.log_tail`; ``network``: the node's guest networks (``None``: user-mode
+    networking, no isolation).
     """
 
     name = "qemu"
+    network_kind = "tap"
 
     def __init__(
         self,
@@ -142,8 +148,9 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
         auth_file: Path | None = None,
         qemu: str = "qemu-system-x86_64",
         tail_lines: int = 40,
+        network: NodeNetwork | None = None,
     ) -> None:
-        super().__init__(store, auth_file=auth_file, tail_lines=tail_lines)
+        super().__init__(store, auth_file=auth_file, tail_lines=tail_lines, network=network)
         self.kernel = kernel
         self.initramfs = initramfs
         self.accel = accel
@@ -202,11 +209,15 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
                 shares.append((f"h{len(shares)}", p))
         return shares, links
 
-    def _guest_config(self, req: VMRequest) -> bytes:
+    def _guest_config(self, req: VMRequest, net: GuestNetwork | None = None) -> bytes:
         """The non-secret per-VM guest config (fw_cfg ``opt/imp/config``): host name, VM id,
-        shares, links. Raises :class:`VMRuntimeError` for a path the guest cannot take."""
+        its network (``net`` address/prefix gateway, ``dns`` resolvers), shares, links. Raises
+        :class:`VMRuntimeError` for a path the guest cannot take."""
         shares, links = self._shares()
         lines = [f"hostname {guest_hostname(req)}", f"vmid {req.vm_id}"]
+        if net is not None:
+            lines.append(f"net {net.address}/{net.prefixlen} {net.gateway}")
+            lines += [f"dns {d}" for d in net.dns]
         lines += [f"share {tag} {path}" for tag, path in shares]
         lines += [f"link {link} {target}" for link, target in links.items()]
         for path in [*(str(p) for _, p in shares), *links, *links.values()]:
@@ -214,9 +225,17 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
                 raise VMRuntimeError(f"cannot share {path!r} with the guest (white space)")
         return "".join(f"{ln}\n" for ln in lines).encode()
 
-    def _qemu_args(self, req: VMRequest, disk: Path, jit_fd: int, cfg_fd: int) -> list[str]:
-        """QEMU's command line for one VM: machine, kernel, serial ports, disks, network,
-        fw_cfg files (read from the pipes ``jit_fd`` and ``cfg_fd``), shares."""
+    def _qemu_args(
+        self,
+        req: VMRequest,
+        disk: Path,
+        jit_fd: int,
+        cfg_fd: int,
+        net: GuestNetwork | None = None,
+    ) -> list[str]:
+        """QEMU's command line for one VM: machine, kernel, serial ports, disks, network (the
+        tap device of ``net``; user-mode without one), fw_cfg files (read from the pipes
+        ``jit_fd`` and ``cfg_fd``), shares."""
         wd = req.workdir
         shares, _ = self._shares()
         machine = self.accel.machine
@@ -259,7 +278,7 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             "-device",
             f"virtio-blk-{sfx},drive=scratch,serial=imp-scratch",
             "-netdev",
-            "user,id=net0",
+            f"tap,id=net0,ifname={net.ifname},script=no,downscript=no" if net else "user,id=net0",
             "-device",
             f"virtio-net-{sfx},netdev=net0" + (",romfile=" if sfx == "pci" else ""),
             "-fw_cfg",
@@ -277,16 +296,16 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
         return args
 
     async def _launch(
-        self, req: VMRequest, prepared: PreparedImage, jitconfig: Secret
+        self, req: VMRequest, prepared: PreparedImage, jitconfig: Secret, net: GuestNetwork | None
     ) -> LaunchedVM:
-        """Boot the VM; the guest's ``/usr/local/bin/runner`` gets ``IMP_GITHUB_JITCONFIG`` (via a
-        pipe → fw_cfg, see module docstring). Raises :class:`VMRuntimeError` when the config
+        """Boot the VM on ``net``'s tap device (user-mode networking without one); the guest's
+        ``/usr/local/bin/runner`` gets ``IMP_GITHUB_JITCONFIG`` (via a pipe → fw_cfg, see module
+        docstring). Raises :class:`VMRuntimeError` when the config
         cannot be passed or QEMU cannot be started (messages never contain the JIT config)."""
         disk = await self.image_disk(prepared)
         secret = jitconfig.reveal().encode()
         if len(secret) > _MAX_JIT_BYTES:
             raise VMRuntimeError(f"JIT config of VM {req.vm_id} is larger than 1 MiB")
-        config = self._guest_config(req)
         wd = req.workdir
         wd.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(wd, 0o700)
@@ -308,6 +327,7 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             f"{max(req.disk_gib, 1)}G",
         )
         os.chmod(wd / _SCRATCH, 0o600)
+        config = self._guest_config(req, net)
         fds: list[int] = []
         try:
             jit_r = _pipe_with(secret, fds)
@@ -315,7 +335,7 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             logfd = os.open(wd / CONSOLE_LOG, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
             fds.append(logfd)
             proc = await asyncio.create_subprocess_exec(
-                *self._qemu_args(req, disk, jit_r, cfg_r),
+                *self._qemu_args(req, disk, jit_r, cfg_r, net),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=logfd,
@@ -402,6 +422,7 @@ async def create_qemu_runtime(
     extra_ro_binds: Sequence[Path] = (),
     auth_file: Path | None = None,
     qemu: str = "qemu-system-x86_64",
+    network: NodeNetwork | None = None,
 ) -> QemuRuntime:
     """Set up the ``qemu`` runtime at agent start: find the kernel (``kernel`` or the newest
     usable ``/boot/vmlinuz-*``), build/reuse the guest initramfs under ``state_dir``, probe the
@@ -424,6 +445,7 @@ async def create_qemu_runtime(
         extra_ro_binds=extra_ro_binds,
         auth_file=auth_file,
         qemu=qemu,
+        network=network,
     )
 
 

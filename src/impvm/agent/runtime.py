@@ -14,6 +14,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
+from impvm.agent.network.policy import EgressLayer
+
 
 class VMRuntimeError(Exception):
     """A runtime could not do what was asked. The message never contains the JIT config."""
@@ -45,7 +47,9 @@ class VMRequest:
 
     ``vm_id`` is stable and unique per ImpVM (``<namespace>.<name>.<uid prefix>``); the runtime
     keeps all per-VM state under ``workdir`` (private to this VM, mode 0700, removed by
-    :meth:`Runtime.cleanup`). Sizes: ``memory_mib`` in MiB, ``disk_gib`` in GiB.
+    :meth:`Runtime.cleanup`). Sizes: ``memory_mib`` in MiB, ``disk_gib`` in GiB. ``egress``: the
+    egress policy layers of its network (:mod:`impvm.agent.network.policy`; empty: the default
+    public layer), enforced where the runtime has a node network.
     """
 
     vm_id: str
@@ -58,6 +62,7 @@ class VMRequest:
     memory_mib: int
     disk_gib: int
     workdir: Path
+    egress: tuple[EgressLayer, ...] = ()
 
 
 RuntimeStatus = Literal["starting", "running", "exited", "missing"]

@@ -1,11 +1,14 @@
 """The bookkeeping every :class:`~impvm.agent.runtime.Runtime` shares: which VMs run, their images,
-waiting for their exit, the console tail, stop (graceful, then killed) and cleanup.
+waiting for their exit, the console tail, stop (graceful, then killed), cleanup, and each VM's own
+network (with a :class:`~impvm.agent.network.node.NodeNetwork`: attached just before the launch,
+detached just after the stop, so every path that cleans a VM up also removes its network).
 
 A runtime subclasses :class:`RuntimeBase` and supplies only what is its own: how a VM is launched
 (:meth:`RuntimeBase._launch`), what its exit code is (:meth:`RuntimeBase._exit_code`), whether
 the runner has started (:meth:`RuntimeBase._runner_started`), how it is asked to stop
-(:meth:`RuntimeBase._ask_to_stop`) and what an earlier agent may have left
-(:meth:`RuntimeBase._remove_leftovers`).
+(:meth:`RuntimeBase._ask_to_stop`), what an earlier agent may have left
+(:meth:`RuntimeBase._remove_leftovers`) and which interface its VMs get
+(:attr:`RuntimeBase.network_kind`).
 
 State lives in memory: the agent is each VM's parent (VMs die with it), so after an agent restart
 :meth:`RuntimeBase.inspect` reports ``missing`` and :meth:`RuntimeBase.cleanup` removes what is
@@ -26,6 +29,8 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from impvm.agent.images import ImageStore, PreparedImage, _remove_tree
+from impvm.agent.network.node import GuestNetwork, NodeNetwork
+from impvm.agent.network.ruleset import Kind
 from impvm.agent.runtime import RuntimeState, Secret, VMRequest, VMRuntimeError
 
 #: The VM's console (stdout/stderr or serial port) in its workdir, mode 0600.
@@ -70,14 +75,26 @@ class RuntimeBase(Generic[VM]):
     """What both runtimes do the same way (see the module docstring).
 
     ``store``: the image cache; ``auth_file``: registry auth (docker-config style) for pulls;
-    ``tail_lines``: lines returned in :attr:`RuntimeState.log_tail`.
+    ``tail_lines``: lines returned in :attr:`RuntimeState.log_tail`; ``network``: the node's
+    guest networks (``None``: no network of its own, development only).
     """
 
     #: ``process`` or ``qemu`` (the Runtime protocol).
     name: str
+    #: The interface a node network gives this runtime's VMs: ``tap`` (QEMU) or ``netns`` (a
+    #: namespace with a veth pair).
+    network_kind: Kind
 
-    def __init__(self, store: ImageStore, *, auth_file: Path | None, tail_lines: int) -> None:
+    def __init__(
+        self,
+        store: ImageStore,
+        *,
+        auth_file: Path | None,
+        tail_lines: int,
+        network: NodeNetwork | None = None,
+    ) -> None:
         self.store = store
+        self.network = network
         self.auth_file = auth_file
         self.tail_lines = tail_lines
         self._prepared: dict[str, PreparedImage] = {}
@@ -85,9 +102,12 @@ class RuntimeBase(Generic[VM]):
 
     # ------------------------------------------------------------------ what a runtime supplies
 
-    async def _launch(self, req: VMRequest, prepared: PreparedImage, jitconfig: Secret) -> VM:
-        """Launch the VM's process; raise :class:`VMRuntimeError` (never showing the JIT
-        config) when it cannot be launched."""
+    async def _launch(
+        self, req: VMRequest, prepared: PreparedImage, jitconfig: Secret, net: GuestNetwork | None
+    ) -> VM:
+        """Launch the VM's process, connected to ``net`` (its own network; ``None``: none);
+        raise :class:`VMRuntimeError` (never showing the JIT config) when it cannot be
+        launched."""
         raise NotImplementedError
 
     async def _exit_code(self, vm: VM, returncode: int) -> int:
@@ -140,7 +160,10 @@ class RuntimeBase(Generic[VM]):
             prepared = self._prepared[req.vm_id]
         self.store.retain(prepared.key)
         try:
-            vm = await self._launch(req, prepared, jitconfig)
+            net = None
+            if self.network is not None:  # its rules exist before its interface does
+                net = await self.network.attach_vm(req, self.network_kind)
+            vm = await self._launch(req, prepared, jitconfig, net)
         except BaseException:
             self.store.release(prepared.key)
             raise
@@ -210,14 +233,17 @@ class RuntimeBase(Generic[VM]):
 
     async def cleanup(self, req: VMRequest) -> None:
         """Stop the VM if needed (no grace), release its image, remove what an earlier agent
-        left and ``req.workdir`` (scratch, console), and forget the VM and its JIT config.
-        Idempotent."""
+        left, its network and ``req.workdir`` (scratch, console), and forget the VM and its JIT
+        config. Idempotent. Raises :class:`~impvm.agent.network.node.NetworkError` when its
+        network cannot be removed (the workdir is kept, so a retry finds the VM again)."""
         await self.stop(req, grace_seconds=0)
         vm = self._vms.pop(req.vm_id, None)
         if vm is not None:
             self.store.release(vm.prepared.key)
         self._prepared.pop(req.vm_id, None)
         await asyncio.to_thread(self._remove_leftovers, req.workdir)
+        if self.network is not None:  # before the workdir: its record points there
+            await self.network.detach(req.vm_id)
         await asyncio.to_thread(remove_workdir, req.workdir)
 
     def known(self) -> set[str]:

@@ -162,6 +162,8 @@ class ControlPlane:
     timeout: float = 90.0
     api_port: int = 0
     etcd_port: int = 0
+    #: kube-apiserver's --bind-address (0.0.0.0: every host address, kube-apiserver's default)
+    bind_address: str = "127.0.0.1"
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -308,7 +310,7 @@ class ControlPlane:
                 "--etcd-servers",
                 etcd_url,
                 "--bind-address",
-                "127.0.0.1",
+                self.bind_address,
                 "--secure-port",
                 str(self.api_port),
                 "--cert-dir",

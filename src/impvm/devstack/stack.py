@@ -7,6 +7,12 @@ and a runner layer whose ``run.sh`` is the stand-in runner, both pinned by diges
 credentials Secret; the operator and one agent as separate processes (``impvm operator``,
 ``impvm agent``); and the seed's minimal example applied with the two image placeholders replaced
 by the pushed digests.
+
+Networks (as root, the default then): the stand-in listens in a namespace of its own, the stand-in
+"internet" (:class:`impvm.devstack.netns.DevNetwork`); the agent gives each VM its own network
+(``--guest-network isolated``) and guests reach the stand-in through the node's NAT, as they
+would reach GitHub, and nothing else; the operator reaches it over the host's route to that
+namespace. Not as root: the stand-in on loopback and ``--guest-network host`` (no isolation).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from impvm.agent.process import host_python_binds
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
 from impvm.devstack.controlplane import ControlPlane, free_port
 from impvm.devstack.kube import admin_client, install_crds, service_account_kubeconfig
+from impvm.devstack.netns import DevNetwork
 from impvm.devstack.registry import LocalRegistry
 from impvm.devstack.standin import StandIn
 from impvm.devstack.testimages import TestImages, build_test_images
@@ -112,6 +119,80 @@ spec:
 """
 
 
+def example_scaling() -> dict[str, Any]:
+    """``spec.scaling`` of the example pool (a fresh copy)."""
+    docs = list(yaml.safe_load_all(SEED_EXAMPLE))
+    scaling: dict[str, Any] = docs[2]["spec"]["scaling"]
+    return scaling
+
+
+def make_private_key(pkcs8: bool = False) -> str:
+    """A fresh 2048-bit RSA key as PEM (PKCS#1 by default, PKCS#8 with ``pkcs8``): an App's."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    fmt = (
+        serialization.PrivateFormat.PKCS8
+        if pkcs8
+        else serialization.PrivateFormat.TraditionalOpenSSL
+    )
+    return key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption()).decode()
+
+
+def app_secret(
+    name: str,
+    namespace: str,
+    app_id: int,
+    installation_id: int,
+    private_key: str | None,
+    **override: str | None,
+) -> Secret:
+    """A pool's credentials Secret for a GitHub App (keys as docs/architecture.md names them);
+    ``override`` replaces keys (None drops one)."""
+    data: dict[str, str | None] = {
+        "github_app_id": str(app_id),
+        "github_app_installation_id": str(installation_id),
+        "github_app_private_key": private_key,
+        **override,
+    }
+    encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items() if v is not None}
+    return Secret(metadata=ObjectMeta(name=name, namespace=namespace), type="Opaque", data=encoded)
+
+
+def pool_manifest(
+    name: str,
+    namespace: str,
+    scaling: dict[str, Any],
+    *,
+    labels: list[str] | None = None,
+    template: str = "gh-runner",
+    org: str = ORG,
+    runner_group: str | None = RUNNER_GROUP,
+    credentials_secret: str = CREDENTIALS_SECRET,
+    **spec: Any,
+) -> dict[str, Any]:
+    """An ImpVMRunnerPool in ``namespace`` registering in ``org`` with the App's credentials;
+    ``spec`` adds top-level spec fields."""
+    platform: dict[str, Any] = {
+        "type": "github-actions",
+        "scope": {"org": org},
+        "credentialsSecret": credentials_secret,
+        "tokenSource": "github_app",
+    }
+    if runner_group is not None:
+        platform["runnerGroup"] = runner_group
+    return {
+        "apiVersion": "imp.dev/v1alpha1",
+        "kind": "ImpVMRunnerPool",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "templateName": template,
+            "labels": ["imp"] if labels is None else labels,
+            "platform": platform,
+            "scaling": scaling,
+            **spec,
+        },
+    }
+
+
 def random_webhook_secret() -> str:
     """A random webhook secret (URL-safe, 32 bytes of entropy)."""
     import secrets
@@ -142,6 +223,9 @@ class StackConfig:
     webhook_drop_rate: float = 0.0
     #: start one agent (node-1); without it VMs are created but never run (benchmarks)
     start_agent: bool = True
+    #: guests on isolated networks, the stand-in in its own "internet" namespace
+    #: (:class:`impvm.devstack.netns.DevNetwork`; needs root); None: when running as root
+    isolated_network: bool | None = None
 
 
 @dataclass
@@ -160,6 +244,7 @@ class Stack:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     #: kubeconfig per component (operator, agent), authenticating as its ServiceAccount
     kubeconfigs: dict[str, Path] = field(default_factory=dict)
+    devnet: DevNetwork | None = None
 
     @property
     def kubeconfig(self) -> Path:
@@ -181,9 +266,20 @@ class Stack:
         )
         await self._ensure_namespace("impvm-system")
 
-        self.standin = StandIn()
+        isolated = self.config.isolated_network
+        if isolated is None:
+            isolated = os.geteuid() == 0
+        if isolated:
+            # guests reach the stand-in as they would reach GitHub: through the node's NAT,
+            # in a namespace of its own
+            self.devnet = await asyncio.to_thread(DevNetwork.create)
+            atexit.register(self.devnet.delete)
+            sock = self.devnet.internet.socket(self.devnet.server_address, 0)
+            self.standin = StandIn(sock=sock)
+        else:
+            self.standin = StandIn()
         await self.standin.start()
-        if self.config.runtime == "qemu":
+        if self.devnet is None and self.config.runtime == "qemu":
             # QEMU user-mode networking: the guest reaches the host's loopback as 10.0.2.2
             self.standin.state.runner_base_url = f"http://10.0.2.2:{self.standin.port}"
         self._seed_github()
@@ -205,12 +301,7 @@ class Stack:
 
     def _seed_github(self) -> None:
         assert self.standin is not None
-        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        self.private_key_pem = key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.TraditionalOpenSSL,
-            serialization.NoEncryption(),
-        ).decode()
+        self.private_key_pem = make_private_key()
         st = self.standin.state
         st.add_app(APP_ID, self.private_key_pem)
         st.add_org(ORG)
@@ -252,17 +343,8 @@ class Stack:
 
     async def _write_credentials(self, namespace: str = NAMESPACE) -> None:
         assert self.kube is not None
-        data = {
-            "github_app_id": str(APP_ID),
-            "github_app_installation_id": str(INSTALLATION_ID),
-            "github_app_private_key": self.private_key_pem,
-        }
         await self.kube.create(
-            Secret(
-                metadata=ObjectMeta(name=CREDENTIALS_SECRET, namespace=namespace),
-                type="Opaque",
-                data={k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
-            )
+            app_secret(CREDENTIALS_SECRET, namespace, APP_ID, INSTALLATION_ID, self.private_key_pem)
         )
 
     async def _setup_webhooks(self, namespace: str = NAMESPACE) -> None:
@@ -327,24 +409,7 @@ class Stack:
             }
         if mode in ("webhook", "hybrid"):
             scaling["webhook"] = {"secretRef": {"name": WEBHOOK_SECRET}}
-        doc = {
-            "apiVersion": "imp.dev/v1alpha1",
-            "kind": "ImpVMRunnerPool",
-            "metadata": {"name": name, "namespace": NAMESPACE},
-            "spec": {
-                "templateName": "gh-runner",
-                "labels": labels,
-                "platform": {
-                    "type": "github-actions",
-                    "scope": {"org": ORG},
-                    "runnerGroup": RUNNER_GROUP,
-                    "credentialsSecret": CREDENTIALS_SECRET,
-                    "tokenSource": "github_app",
-                },
-                "scaling": scaling,
-                **(extra or {}),
-            },
-        }
+        doc = pool_manifest(name, NAMESPACE, scaling, labels=labels, **(extra or {}))
         await self.kube.create(ImpVMRunnerPoolResource.from_dict(doc))
 
     # ------------------------------------------------------------------ processes
@@ -386,6 +451,7 @@ class Stack:
         ]
         for p in host_python_binds():
             args += ["--bind-ro", str(p)]
+        args += self.devnet.agent_args() if self.devnet else ["--guest-network", "host"]
         self._spawn(f"agent-{node}", args, "agent")
 
     def start_operator(self) -> None:
@@ -487,6 +553,10 @@ class Stack:
             self.standin = None
         if self.control_plane is not None:
             await asyncio.to_thread(self.control_plane.stop)
+        if self.devnet is not None:
+            await asyncio.to_thread(self.devnet.delete)
+            atexit.unregister(self.devnet.delete)
+            self.devnet = None
 
 
 async def wait_for(

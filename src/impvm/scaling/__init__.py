@@ -1,11 +1,11 @@
-"""impvm.scaling: pure decisions on pool size, which VMs and registrations to remove, and which
-pool a job belongs to. No I/O; see :mod:`impvm.scaling.pool` and :mod:`impvm.scaling.labels`."""
+"""impvm.scaling: pure decisions on pool size, the warm pool's size, which VMs and registrations to
+remove, and which pool a job belongs to. No I/O; see :mod:`impvm.scaling.pool`,
+:mod:`impvm.scaling.warmpool` and :mod:`impvm.scaling.labels`."""
 
 from impvm.scaling.labels import (
     DEFAULT_RUNNER_LABELS,
-    PoolKey,
+    PoolLabels,
     choose_pool,
-    demand_by_pool,
     job_matches,
     normalise_labels,
 )
@@ -26,27 +26,40 @@ from impvm.scaling.pool import (
     decide,
     parse_demand,
 )
+from impvm.scaling.warmpool import (
+    JobQueued,
+    RunnerReady,
+    WarmPoolDecision,
+    WarmPoolPolicy,
+    WarmPoolState,
+    warm_pool_target,
+)
 
 __all__ = [
     "DEFAULT_BOOTSTRAP_TIMEOUT_SECONDS",
     "DEFAULT_RUNNER_LABELS",
     "Counts",
-    "PoolKey",
+    "JobQueued",
+    "PoolLabels",
     "PoolLimits",
     "PoolSnapshot",
     "Reason",
     "RegistrationDeletion",
+    "RunnerReady",
     "RunnerView",
     "ScalePlan",
     "SecretMint",
     "VMDeletion",
     "VMState",
     "VMView",
+    "WarmPoolDecision",
+    "WarmPoolPolicy",
+    "WarmPoolState",
     "choose_pool",
     "classify",
     "decide",
-    "demand_by_pool",
     "job_matches",
     "normalise_labels",
     "parse_demand",
+    "warm_pool_target",
 ]
