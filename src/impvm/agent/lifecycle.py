@@ -44,11 +44,18 @@ from typing import Any
 from impvm.agent.capacity import Resources, fits
 from impvm.agent.runtime import RuntimeState
 from impvm.api.durations import resolve_expire_after
-from impvm.api.models import AGENT_FINALIZER, TERMINAL_PHASES, Condition, ImpVM, ImpVMStatus
+from impvm.api.models import (
+    AGENT_FINALIZER,
+    TERMINAL_PHASES,
+    Condition,
+    ImpVM,
+    ImpVMStatus,
+    VMPhase,
+)
 from impvm.api.times import k8s_time
 
 #: Phases of a VM the runtime has not been asked to start.
-NOT_STARTED: frozenset[str | None] = frozenset({None, "Pending", "Scheduled"})
+NOT_STARTED: frozenset[VMPhase | None] = frozenset({None, VMPhase.PENDING, VMPhase.SCHEDULED})
 #: Condition an agent sets on a VM whose ImpVMClass does not exist.
 CLASS_MISSING = "ClassMissing"
 #: How much of a console tail or failure message goes into ``status.message`` / an Event.
@@ -111,7 +118,7 @@ class VMRecord:
         return self.vm.status or ImpVMStatus()
 
     @property
-    def phase(self) -> str | None:
+    def phase(self) -> VMPhase | None:
         """``status.phase``."""
         return self.status.phase
 
@@ -337,7 +344,7 @@ def _unbound(obs: VMObservation, vm: VMRecord) -> AgentAction:
         return AgentAction(Why.PREFLIGHT_FAILED, forget=True)
     if not fits(obs.capacity, obs.used, obs.size):
         return AgentAction(Why.NO_CAPACITY, forget=True)
-    status: dict[str, Any] = {"phase": "Scheduled", "nodeName": obs.node}
+    status: dict[str, Any] = {"phase": VMPhase.SCHEDULED, "nodeName": obs.node}
     status.update(_class_found(obs, vm))
     steps: tuple[Step, ...] = (
         Claim(obs.size),
@@ -377,8 +384,8 @@ def _wind_down(obs: VMObservation, vm: VMRecord, why: Why) -> AgentAction:
     the VM stopped and this agent cleaned it up) release the finalizer."""
     rt = obs.runtime
     steps: list[Step] = []
-    if vm.deleting and vm.phase not in TERMINAL_PHASES and vm.phase != "Terminating":
-        steps.append(PatchStatus({"phase": "Terminating"}))
+    if vm.deleting and vm.phase not in TERMINAL_PHASES and vm.phase != VMPhase.TERMINATING:
+        steps.append(PatchStatus({"phase": VMPhase.TERMINATING}))
     if rt.active:
         steps.append(Stop(obs.policy.stop_grace_seconds))
     if rt.active or not obs.local.cleaned:
@@ -396,7 +403,7 @@ def _boot(obs: VMObservation, vm: VMRecord) -> AgentAction:
     if rt.status != "missing":  # started by this agent; the report did not land yet
         started = rt.started_at or obs.now
         steps_started: tuple[Step, ...] = (
-            PatchStatus({"phase": "Starting", "startedAt": k8s_time(started)}),
+            PatchStatus({"phase": VMPhase.STARTING, "startedAt": k8s_time(started)}),
             Emit("Started", f"runtime {obs.policy.runtime_name} started the VM"),
         )
         return AgentAction(Why.REPORT_STARTED, steps_started, recheck_seconds=0)
@@ -404,8 +411,8 @@ def _boot(obs: VMObservation, vm: VMRecord) -> AgentAction:
         return _refuse_class(obs, vm, "booted")
     steps: list[Step] = []
     report: dict[str, Any] = _class_found(obs, vm)
-    if vm.phase != "Scheduled":
-        report |= {"phase": "Scheduled", "nodeName": obs.node}
+    if vm.phase != VMPhase.SCHEDULED:
+        report |= {"phase": VMPhase.SCHEDULED, "nodeName": obs.node}
     if report:
         steps.append(PatchStatus(report))
     local = obs.local
@@ -442,8 +449,8 @@ def _started(obs: VMObservation, vm: VMRecord) -> AgentAction:
         return _fail(obs, Why.DEADLINE, "DeadlineExceeded", message, stop=True)
     tick = obs.policy.tick_seconds
     if rt.status == "running":
-        if vm.phase != "Running":
-            return AgentAction(Why.REPORT_RUNNING, (PatchStatus({"phase": "Running"}),), tick)
+        if vm.phase != VMPhase.RUNNING:
+            return AgentAction(Why.REPORT_RUNNING, (PatchStatus({"phase": VMPhase.RUNNING}),), tick)
         return AgentAction(Why.RUNNING, recheck_seconds=tick)
     if started and running_for >= obs.policy.start_timeout_seconds:
         return _fail(obs, Why.START_TIMEOUT, "StartTimeout", rt.log_tail, stop=True)
@@ -455,7 +462,7 @@ def _finish(obs: VMObservation, rt: RuntimeState) -> AgentAction:
     clean up."""
     code = rt.exit_code if rt.exit_code is not None else -1
     status: dict[str, Any] = {
-        "phase": "Succeeded" if code == 0 else "Failed",
+        "phase": VMPhase.SUCCEEDED if code == 0 else VMPhase.FAILED,
         "exitCode": code,
         "exitReason": "Completed" if code == 0 else "Error",
         "finishedAt": k8s_time(rt.finished_at or obs.now),
@@ -483,7 +490,7 @@ def _fail(
     if stop:
         steps.append(Stop(obs.policy.stop_grace_seconds))
     status = {
-        "phase": "Failed",
+        "phase": VMPhase.FAILED,
         "exitReason": reason,
         "finishedAt": k8s_time(obs.now),
         "message": message[-MESSAGE_CHARS:],
