@@ -96,6 +96,21 @@ def test_own_write_is_seen_at_once_and_older_events_do_not_undo_it() -> None:
     assert s.get(("ns", "a")) == "listed"
 
 
+def test_own_write_answered_after_the_watch_delivered_it_hides_nothing_newer() -> None:
+    s: Store[str] = Store(Parser(), max_objects=10)
+    s.apply("ADDED", obj("a", 1, "old"))
+    # the watch delivers the write and someone else's later change before the write's answer
+    assert s.apply("MODIFIED", obj("a", 5, "mine"))
+    assert s.apply("MODIFIED", obj("a", 6, "operator"))
+    s.written(obj("a", 5, "mine"))
+    assert s.get(("ns", "a")) == "operator"
+    assert s.apply("MODIFIED", obj("a", 7, "next")) and s.get(("ns", "a")) == "next"
+    # the same after a list that held the write
+    s.replace([obj("a", 8, "listed")])
+    s.written(obj("a", 8, "listed"))
+    assert s.apply("MODIFIED", obj("a", 9, "after")) and s.get(("ns", "a")) == "after"
+
+
 def test_bounded() -> None:
     s: Store[str] = Store(Parser(), max_objects=2)
     s.replace([obj("a", 1), obj("b", 1), obj("c", 1)])

@@ -16,7 +16,10 @@ How it stays correct (Kubernetes API concepts, "Efficient detection of changes")
 * **your own writes**: :meth:`WatchCache.written` puts the object a write returned into the cache
   at once, and the watch's older events for that object are ignored until the watch delivers
   that version (per-object events arrive in order), so a reconcile right after a write never
-  decides on the state before it.
+  decides on the state before it. A write whose answer comes after the watch already delivered
+  its version (and perhaps later ones) changes nothing: the cache is at least that new. The
+  versions the watch delivered are remembered per object (the last :data:`SEEN_VERSIONS`) and
+  compared only for equality: resourceVersions are opaque (Kubernetes API concepts).
 
 :class:`Store` is the in-memory part (no I/O, unit-tested on its own); :class:`WatchCache` runs
 the list and watch against the API server and calls ``on_change(key)`` for every object that was
@@ -27,8 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from lightkube import AsyncClient
@@ -41,6 +45,9 @@ T = TypeVar("T")
 
 #: ``(namespace, name)``; the namespace is ``""`` for a cluster-scoped object.
 Key = tuple[str, str]
+#: How many of an object's last resourceVersions the watch delivered are remembered (an own
+#: write is answered long before that many more changes of the same object arrive).
+SEEN_VERSIONS = 16
 
 
 def key_of(raw: dict[str, Any]) -> Key:
@@ -59,6 +66,8 @@ class _Slot(Generic[T]):
     version: str
     #: resourceVersion of this process's own write, not yet delivered by the watch
     pending: str | None = None
+    #: the object's last resourceVersions delivered by the list or the watch, newest last
+    seen: deque[str] = field(default_factory=lambda: deque(maxlen=SEEN_VERSIONS))
 
 
 class Store(Generic[T]):
@@ -118,6 +127,7 @@ class Store(Generic[T]):
             old = self._slots.get(key)
             if old is not None and old.version == _version(raw):
                 fresh[key] = _Slot(old.value, old.version)
+                fresh[key].seen.append(old.version)
                 continue
             if len(fresh) >= self.max_objects:
                 self.dropped += 1
@@ -125,6 +135,7 @@ class Store(Generic[T]):
             value = self._parse(raw)
             if value is not None:
                 fresh[key] = _Slot(value, _version(raw))
+                fresh[key].seen.append(_version(raw))
         if self.dropped:
             log.warning("%s: full (%d objects); %d left out", self.name, len(fresh), self.dropped)
         changed = {k for k in fresh if self.version(k) != fresh[k].version}
@@ -140,6 +151,8 @@ class Store(Generic[T]):
             return self._slots.pop(key, None) is not None
         version = _version(raw)
         slot = self._slots.get(key)
+        if slot is not None:
+            slot.seen.append(version)
         if slot is not None and slot.pending is not None:
             if version != slot.pending:
                 return False  # older than this process's own write, which is stored already
@@ -154,7 +167,9 @@ class Store(Generic[T]):
         value = self._parse(raw)
         if value is None:
             return self._slots.pop(key, None) is not None
-        self._slots[key] = _Slot(value, version)
+        new = _Slot(value, version)
+        new.seen.extend(slot.seen if slot is not None else (version,))
+        self._slots[key] = new
         return True
 
     def written(self, raw: dict[str, Any]) -> None:
@@ -163,11 +178,14 @@ class Store(Generic[T]):
         key = key_of(raw)
         version = _version(raw)
         slot = self._slots.get(key)
-        if slot is not None and slot.version == version:
-            return
+        if slot is not None and (slot.version == version or version in slot.seen):
+            return  # the watch delivered this version already: the store is at least as new
         value = self._parse(raw)
         if value is not None:
-            self._slots[key] = _Slot(value, version, pending=version)
+            new = _Slot(value, version, pending=version)
+            if slot is not None:
+                new.seen.extend(slot.seen)
+            self._slots[key] = new
 
     @property
     def has_room_for_dropped(self) -> bool:
