@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from impvm import __version__
+from impvm.images.cli import images_app
 from impvm.sim.cli import simulate_app
 
 app = typer.Typer(
@@ -25,6 +26,7 @@ app = typer.Typer(
 dev_app = typer.Typer(help="The embedded local stack.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(dev_app, name="dev")
 app.add_typer(simulate_app, name="simulate")
+app.add_typer(images_app, name="images")
 
 
 def _version_callback(value: bool) -> None:
