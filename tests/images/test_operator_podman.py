@@ -1,0 +1,221 @@
+"""The built ``impvm`` image runs the operator under podman (Debian's, rootful) against the test
+control plane, the way a Deployment runs it: read-only root filesystem, the image's non-root
+user, and the operator ServiceAccount's token (``deploy/rbac/operator.yaml``, TokenRequest) in
+a kubeconfig mounted read-only. It
+reconciles the seed's minimal example (images: the built runner images, by digest): the pool's
+ImpVM and the JIT Secret owned by it appear. No image hub: podman's storage is filled from the
+build's OCI layout with skopeo.
+
+Podman here: host network (the API server and the GitHub stand-in listen on loopback), runc (crun
+refuses this host's hybrid cgroup layout), ``vfs`` storage in a private directory, and
+file-descriptor/process limits below the host's (the sandbox lacks CAP_SYS_RESOURCE, so podman's
+default of raising them fails)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import IO
+
+import pytest
+import yaml
+from lightkube.resources.core_v1 import Secret
+
+from impvm.api.resources import ImpVMResource
+from impvm.devstack.stack import NAMESPACE, POOL, Stack, StackConfig, wait_for
+from impvm.devstack.testimages import TestImages
+from impvm.images.build import BuiltImage
+
+pytestmark = [pytest.mark.controlplane]
+
+
+class PodmanOperatorStack(Stack):
+    """The embedded stack with the operator in the ``impvm`` image under podman (no agent)."""
+
+    image: BuiltImage
+    image_name: str
+    podman_dir: Path
+    container: str
+
+    def podman(self) -> list[str]:
+        d = self.podman_dir
+        return [
+            "podman",
+            "--root",
+            str(d / "storage"),
+            "--runroot",
+            str(d / "run"),
+            "--tmpdir",
+            str(d / "tmp"),
+            "--storage-driver",
+            "vfs",
+            "--cgroup-manager",
+            "cgroupfs",
+            "--events-backend",
+            "file",
+            "--runtime",
+            "runc",
+        ]
+
+    def load_image(self) -> str:
+        name = f"localhost/imp/impvm:{self.image.tag}"
+        d = self.podman_dir
+        subprocess.run(
+            [
+                "skopeo",
+                "copy",
+                "--quiet",
+                self.image.oci_ref,
+                f"containers-storage:[vfs@{d / 'storage'}+{d / 'run'}]{name}",
+            ],
+            check=True,
+        )
+        return name
+
+    def start_operator(self) -> None:
+        assert self.standin is not None and self.control_plane is not None
+        if not self.operator_http_port:
+            from impvm.devstack.controlplane import free_port
+
+            self.operator_http_port = free_port()
+        # the operator ServiceAccount's token (TokenRequest) and the cluster CA in a kubeconfig;
+        # kopf's in-cluster login would need the cluster DNS name kubernetes.default.svc:443
+        cfg = yaml.safe_load(self.kubeconfigs["operator"].read_text())
+        cluster = cfg["clusters"][0]["cluster"]
+        ca = Path(cluster.pop("certificate-authority")).read_bytes()
+        cluster["certificate-authority-data"] = base64.b64encode(ca).decode()
+        kubeconfig = self.podman_dir / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(cfg))
+        kubeconfig.chmod(0o644)  # readable by the image's user; the directory is private
+        self.container = f"impvm-operator-{uuid.uuid4().hex[:8]}"
+        log: IO[bytes] = open(self.config.workdir / "operator.log", "ab")
+        self.procs["operator"] = subprocess.Popen(
+            [
+                *self.podman(),
+                "run",
+                "--rm",
+                "--name",
+                self.container,
+                "--network",
+                "host",
+                "--read-only",
+                "--ulimit",
+                "nofile=4096:4096",
+                "--ulimit",
+                "nproc=4096:4096",
+                "-e",
+                "KUBECONFIG=/etc/impvm/kubeconfig",
+                "-v",
+                f"{kubeconfig}:/etc/impvm/kubeconfig:ro",
+                self.image_name,
+                "operator",
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                str(self.operator_http_port),
+                "--github-api-url",
+                self.standin.url,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+
+    def remove_container(self) -> None:
+        if hasattr(self, "container"):
+            subprocess.run(
+                [*self.podman(), "rm", "--force", "--time", "5", self.container],
+                capture_output=True,
+                check=False,
+            )
+
+
+@pytest.fixture
+async def stack(
+    tmp_path: Path, built: dict[str, BuiltImage], pushed: dict[str, str]
+) -> AsyncIterator[PodmanOperatorStack]:
+    s = PodmanOperatorStack(
+        StackConfig(workdir=tmp_path / "stack", start_agent=False, apply_example=False)
+    )
+    s.image = built["impvm"]
+    # podman wants a short run root (at most 50 characters)
+    s.podman_dir = Path(tempfile.mkdtemp(prefix="impvm-podman-"))
+    s.image_name = await asyncio.to_thread(s.load_image)
+    try:
+        await s.start()
+        yield s
+    finally:
+        await s.stop()
+        await asyncio.to_thread(s.remove_container)
+        await asyncio.to_thread(
+            subprocess.run, [*s.podman(), "rmi", "--all", "--force"], capture_output=True
+        )
+        shutil.rmtree(s.podman_dir, ignore_errors=True)
+
+
+@pytest.mark.timeout(600)
+async def test_operator_image_reconciles_the_seed_example_under_podman(
+    stack: PodmanOperatorStack, pushed: dict[str, str]
+) -> None:
+    assert stack.kube is not None
+    # the seed's example with the built runner images, by digest
+    stack.images = TestImages(base=pushed["runner-base"], runner_layer=pushed["runner-layer"])
+    await stack.apply_example()
+
+    async def vm_with_secret() -> tuple[str, str] | None:
+        assert stack.kube is not None
+        async for vm in stack.kube.list(
+            ImpVMResource, namespace=NAMESPACE, labels={"imp.dev/runner-pool": POOL}
+        ):
+            d = vm.to_dict()
+            secret_name = d["spec"].get("runnerConfigSecret")
+            if not secret_name:
+                continue
+            try:
+                secret = await stack.kube.get(Secret, secret_name, namespace=NAMESPACE)
+            except Exception:
+                continue
+            owners = secret.metadata.ownerReferences or []
+            if any(o.uid == d["metadata"]["uid"] and o.controller for o in owners):
+                jit = base64.b64decode((secret.data or {})["jitconfig"]).decode()
+                return d["metadata"]["name"], jit
+        return None
+
+    name, jit = await wait_for("the pool's ImpVM and its JIT Secret", vm_with_secret, 300, stack)
+    vm = (await stack.vms())[0]
+    assert vm["spec"]["image"] == pushed["runner-base"]
+    assert vm["spec"]["runnerLayer"] == pushed["runner-layer"]
+    assert name == vm["metadata"]["name"]
+
+    # it is the image's operator, as the image's non-root user, on a read-only root
+    top = (
+        await asyncio.to_thread(
+            subprocess.run,
+            [*stack.podman(), "exec", stack.container, "sh", "-c", "id -u; touch /x 2>&1 || true"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    ).stdout.split("\n", 1)
+    assert top[0] == "10000"
+    assert "Read-only file system" in top[1]
+    inspect = (
+        await asyncio.to_thread(
+            subprocess.run,
+            [*stack.podman(), "inspect", "--format", "{{.ImageDigest}}", stack.container],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    ).stdout.strip()
+    assert inspect == stack.image.digest
+    await asyncio.sleep(1)
+    logs = stack.logs()
+    assert jit not in logs and stack.private_key_pem.splitlines()[1] not in logs
