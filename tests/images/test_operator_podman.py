@@ -1,10 +1,10 @@
 """The built ``impvm`` image runs the operator under podman (Debian's, rootful) against the test
 control plane, the way a Deployment runs it: read-only root filesystem, the image's non-root
 user, and the operator ServiceAccount's token (``deploy/rbac/operator.yaml``, TokenRequest) in
-a kubeconfig mounted read-only. It
-reconciles the seed's minimal example (images: the built runner images, by digest): the pool's
+a kubeconfig mounted read-only. It reconciles the seed's minimal example (images: the built runner images, by digest): the pool's
 ImpVM and the JIT Secret owned by it appear. No image hub: podman's storage is filled from the
-build's OCI layout with skopeo.
+build's OCI layout with skopeo. The ``impvm-agent`` image is checked for the tools the agent
+runs and the guest kernel it boots.
 
 Podman here: host network (the API server and the GitHub stand-in listen on loopback), runc (crun
 refuses this host's hybrid cgroup layout), ``vfs`` storage in a private directory, and
@@ -35,6 +35,57 @@ from impvm.images.build import BuiltImage
 pytestmark = [pytest.mark.controlplane]
 
 
+def podman(d: Path) -> list[str]:
+    """The podman command with its storage in ``d`` (see the module docstring)."""
+    return [
+        "podman",
+        "--root",
+        str(d / "storage"),
+        "--runroot",
+        str(d / "run"),
+        "--tmpdir",
+        str(d / "tmp"),
+        "--storage-driver",
+        "vfs",
+        "--cgroup-manager",
+        "cgroupfs",
+        "--events-backend",
+        "file",
+        "--runtime",
+        "runc",
+    ]
+
+
+# podman's defaults raise these limits, which this sandbox does not allow
+LIMITS = ["--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096"]
+
+
+def load(d: Path, image: BuiltImage) -> str:
+    """Copy a built image from its OCI layout into the storage in ``d``; returns its name."""
+    name = f"localhost/imp/{image.name}:{image.tag}"
+    subprocess.run(
+        [
+            "skopeo",
+            "copy",
+            "--quiet",
+            image.oci_ref,
+            f"containers-storage:[vfs@{d / 'storage'}+{d / 'run'}]{name}",
+        ],
+        check=True,
+    )
+    return name
+
+
+def short_dir() -> Path:
+    """A private directory with a short path (podman wants a run root of at most 50 chars)."""
+    return Path(tempfile.mkdtemp(prefix="impvm-podman-"))
+
+
+def remove_storage(d: Path) -> None:
+    subprocess.run([*podman(d), "rmi", "--all", "--force"], capture_output=True, check=False)
+    shutil.rmtree(d, ignore_errors=True)
+
+
 class PodmanOperatorStack(Stack):
     """The embedded stack with the operator in the ``impvm`` image under podman (no agent)."""
 
@@ -44,39 +95,7 @@ class PodmanOperatorStack(Stack):
     container: str
 
     def podman(self) -> list[str]:
-        d = self.podman_dir
-        return [
-            "podman",
-            "--root",
-            str(d / "storage"),
-            "--runroot",
-            str(d / "run"),
-            "--tmpdir",
-            str(d / "tmp"),
-            "--storage-driver",
-            "vfs",
-            "--cgroup-manager",
-            "cgroupfs",
-            "--events-backend",
-            "file",
-            "--runtime",
-            "runc",
-        ]
-
-    def load_image(self) -> str:
-        name = f"localhost/imp/impvm:{self.image.tag}"
-        d = self.podman_dir
-        subprocess.run(
-            [
-                "skopeo",
-                "copy",
-                "--quiet",
-                self.image.oci_ref,
-                f"containers-storage:[vfs@{d / 'storage'}+{d / 'run'}]{name}",
-            ],
-            check=True,
-        )
-        return name
+        return podman(self.podman_dir)
 
     def start_operator(self) -> None:
         assert self.standin is not None and self.control_plane is not None
@@ -105,10 +124,7 @@ class PodmanOperatorStack(Stack):
                 "--network",
                 "host",
                 "--read-only",
-                "--ulimit",
-                "nofile=4096:4096",
-                "--ulimit",
-                "nproc=4096:4096",
+                *LIMITS,
                 "-e",
                 "KUBECONFIG=/etc/impvm/kubeconfig",
                 "-v",
@@ -145,22 +161,19 @@ async def stack(
         StackConfig(workdir=tmp_path / "stack", start_agent=False, apply_example=False)
     )
     s.image = built["impvm"]
-    # podman wants a short run root (at most 50 characters)
-    s.podman_dir = Path(tempfile.mkdtemp(prefix="impvm-podman-"))
-    s.image_name = await asyncio.to_thread(s.load_image)
+    s.podman_dir = short_dir()
+    s.image_name = await asyncio.to_thread(load, s.podman_dir, s.image)
     try:
         await s.start()
         yield s
     finally:
         await s.stop()
         await asyncio.to_thread(s.remove_container)
-        await asyncio.to_thread(
-            subprocess.run, [*s.podman(), "rmi", "--all", "--force"], capture_output=True
-        )
-        shutil.rmtree(s.podman_dir, ignore_errors=True)
+        await asyncio.to_thread(remove_storage, s.podman_dir)
 
 
-@pytest.mark.timeout(600)
+# the first test of a session on a machine without cached images builds them (minutes)
+@pytest.mark.timeout(1800)
 async def test_operator_image_reconciles_the_seed_example_under_podman(
     stack: PodmanOperatorStack, pushed: dict[str, str]
 ) -> None:
@@ -219,3 +232,62 @@ async def test_operator_image_reconciles_the_seed_example_under_podman(
     await asyncio.sleep(1)
     logs = stack.logs()
     assert jit not in logs and stack.private_key_pem.splitlines()[1] not in logs
+
+
+AGENT_CHECK = """set -eu
+echo "uid=$(id -u)"
+echo "qemu=$(qemu-system-x86_64 --version | head -n1)"
+echo "skopeo=$(skopeo --version)"
+echo "umoci=$(umoci --version)"
+echo "bwrap=$(bwrap --version)"
+echo "mkfs=$(mkfs.ext4 -V 2>&1 | head -n1)"
+echo "busybox=$(busybox | head -n1 | cut -d' ' -f1-2)"
+echo "initrd=$(ls /boot | grep -c initrd || true)"
+python -c 'from impvm.agent.qemu_guest import find_kernel, module_order
+k = find_kernel(need_shares=False)
+print("kernel=" + k.version, len(module_order(k)))'
+impvm agent --help | grep -c -- --runtime | sed 's/^/help=/'
+"""
+
+
+@pytest.mark.timeout(1800)
+async def test_agent_image_holds_the_runtime_tools_and_a_guest_kernel(
+    built: dict[str, BuiltImage],
+) -> None:
+    d = short_dir()
+    try:
+        name = await asyncio.to_thread(load, d, built["impvm-agent"])
+        proc = await asyncio.to_thread(
+            subprocess.run,
+            [
+                *podman(d),
+                "run",
+                "--rm",
+                "--network",
+                "none",
+                "--read-only",
+                *LIMITS,
+                "--entrypoint",
+                "/bin/sh",
+                name,
+                "-c",
+                AGENT_CHECK,
+            ],
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        await asyncio.to_thread(remove_storage, d)
+    assert proc.returncode == 0, proc.stderr
+    out = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    assert out["uid"] == "0"
+    assert out["qemu"].startswith("QEMU emulator version 7.2")
+    assert out["skopeo"].startswith("skopeo version 1.9")
+    assert out["umoci"].startswith("umoci version 0.4")
+    assert out["bwrap"].startswith("bubblewrap 0.8")
+    assert out["mkfs"].startswith("mke2fs 1.47")
+    assert out["busybox"].startswith("BusyBox v1.35")
+    assert out["initrd"] == "0"  # the agent builds its own guest initramfs
+    version, modules = out["kernel"].split()
+    assert version.endswith("-cloud-amd64") and int(modules) > 0
+    assert out["help"] == "1"

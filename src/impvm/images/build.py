@@ -127,6 +127,8 @@ class BuildOptions:
     #: the OCI layout to build into (default ``cache_dir/oci``); wheels and .deb files are
     #: always taken from ``cache_dir``
     layout_dir: Path | None = None
+    #: with ``use_cache=False``: still take Debian roots already in the layout
+    reuse_roots: bool = False
     project_root: Path = PROJECT_ROOT
     log: Callable[[str], None] = field(
         default=lambda line: print(f"images: {line}", file=sys.stderr, flush=True)
@@ -147,6 +149,8 @@ class BuiltImage:
     size_bytes: int
     unpacked_bytes: int
     cached: bool
+    #: tags (in ``layout``) of the Debian roots it was assembled from
+    roots: tuple[str, ...] = ()
 
     @property
     def oci_ref(self) -> str:
@@ -257,6 +261,8 @@ class Builder:
         #: layer name ("root:<name>", "app", "runner") -> (key, tag or tar path, unpacked size)
         self._layer_keys: dict[str, str] = {}
         self._wheels_checked = False
+        #: versions of the tools whose output the digests depend on (part of every key)
+        self.tools = ""
 
     def log(self, line: str) -> None:
         self.opts.log(line)
@@ -301,6 +307,11 @@ class Builder:
             raise ImageBuildError("building images needs root (mmdebstrap uses chroot)")
         async with self._exclusive():
             self.lock = load_lock(self.opts.lock_path.read_text())
+            versions = [
+                (await self._run(f"{t} --version", t, "--version")).decode().strip()
+                for t in ("mmdebstrap", "umoci")
+            ]
+            self.tools = "\n".join(versions)
             work = Path(tempfile.mkdtemp(prefix="build-", dir=self._mkdir(self.cache / "tmp")))
             try:
                 if not (self.layout / "index.json").exists():
@@ -340,7 +351,7 @@ class Builder:
         algo, _, hexd = digest.partition(":")
         return (self.layout / "blobs" / algo / hexd).read_bytes()
 
-    def _built(self, name: str, tag: str, cached: bool) -> BuiltImage:
+    def _built(self, name: str, tag: str, cached: bool, roots: tuple[str, ...] = ()) -> BuiltImage:
         desc = self._index()[tag]
         digest = str(desc["digest"])
         manifest = json.loads(self._blob(digest))
@@ -355,6 +366,7 @@ class Builder:
             size_bytes=size,
             unpacked_bytes=int(str(meta.get("unpacked_bytes", 0))),
             cached=cached,
+            roots=roots,
         )
 
     def _meta_path(self, tag: str) -> Path:
@@ -367,8 +379,9 @@ class Builder:
         except (OSError, ValueError):
             return {}
 
-    def _cached(self, tag: str) -> bool:
-        return self.opts.use_cache and tag in self._index() and bool(self._meta(tag))
+    def _cached(self, tag: str, root: bool = False) -> bool:
+        use = self.opts.use_cache or (root and self.opts.reuse_roots)
+        return use and tag in self._index() and bool(self._meta(tag))
 
     async def _prune(self, keep: list[str]) -> None:
         """Remove tags of the built images' names (and roots) other than the current ones, then
@@ -393,12 +406,16 @@ class Builder:
         for layer in spec.layers:
             layers.append(await self._layer(layer, work))
         key = input_key(
-            repr(spec), str(self.lock.debian.source_date_epoch), *(k for _, k, _, _ in layers)
+            repr(spec),
+            self.tools,
+            str(self.lock.debian.source_date_epoch),
+            *(k for _, k, _, _ in layers),
         )
         tag = f"{spec.name}-{key[:16]}"
+        roots = tuple(k for kind, k, _, _ in layers if kind.startswith("root:"))
         if self._cached(tag):
             self.log(f"{spec.name}: cached ({tag})")
-            return self._built(spec.name, tag, cached=True)
+            return self._built(spec.name, tag, cached=True, roots=roots)
         self.log(f"{spec.name}: assembling {tag}")
         created = _created(self.lock.debian.source_date_epoch)
         ref = f"{self.layout}:{tag}"
@@ -438,7 +455,7 @@ class Builder:
         )
         unpacked = sum(u for _, _, _, u in layers)
         self._meta_path(tag).write_text(json.dumps({"unpacked_bytes": unpacked}) + "\n")
-        return self._built(spec.name, tag, cached=False)
+        return self._built(spec.name, tag, cached=False, roots=roots)
 
     async def _layer(self, layer: str, work: Path) -> tuple[str, str, Path | None, int]:
         """Returns (kind, key, tar path or None for a root, unpacked bytes). For a root the key
@@ -513,6 +530,10 @@ class Builder:
         )
         return "\n".join(lines) + "\n"
 
+    def _recipe(self, root: str) -> str:
+        """What besides the lock makes a root: the hook (with placeholder paths), the tools."""
+        return self._hook(root, Path("/W"), Path("/D")) + self.tools
+
     def _lock(self) -> Lock:
         assert self.lock is not None
         return self.lock
@@ -522,9 +543,9 @@ class Builder:
         spec = root_spec(root)
         wheels = await self._wheels() if spec.venv else self.cache / "wheels"
         # the hook's text with fixed placeholder paths is part of the key
-        key = root_key(lock, root, self._hook(root, Path("/W"), Path("/D")))
+        key = root_key(lock, root, self._recipe(root))
         tag = f"root-{root}-{key[:16]}"
-        if self._cached(tag):
+        if self._cached(tag, root=True):
             self.log(f"{root}: cached Debian root ({tag})")
             return tag
         rl = lock.roots[root]
@@ -571,7 +592,7 @@ class Builder:
                 )
             lock.roots[root] = RootLock(include=rl.include, packages=installed)
             self._record_lock()
-            key = root_key(lock, root, self._hook(root, Path("/W"), Path("/D")))
+            key = root_key(lock, root, self._recipe(root))
             tag = f"root-{root}-{key[:16]}"
         unpacked = await asyncio.to_thread(drop_device_nodes, raw, tar)
         raw.unlink()
