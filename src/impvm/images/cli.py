@@ -128,5 +128,10 @@ def build(
         typer.echo(json.dumps(doc, indent=1))
         return
     for img, ref in shipped:
-        size = f"{img.size_bytes / (1 << 20):.1f}MiB ({img.unpacked_bytes / (1 << 20):.0f}MiB)"
+        size = f"{_human(img.size_bytes)} ({_human(img.unpacked_bytes)} unpacked)"
         typer.echo(" ".join(x for x in (img.name, img.digest, size, ref) if x))
+
+
+def _human(n: int) -> str:
+    """Bytes as MiB with one decimal, or KiB below 1 MiB."""
+    return f"{n / (1 << 20):.1f}MiB" if n >= 1 << 20 else f"{n / 1024:.1f}KiB"
