@@ -312,7 +312,9 @@ class Builder:
                 for t in ("mmdebstrap", "umoci")
             ]
             self.tools = "\n".join(versions)
-            work = Path(tempfile.mkdtemp(prefix="build-", dir=self._mkdir(self.cache / "tmp")))
+            tmp = self._mkdir(self.cache / "tmp")
+            await asyncio.to_thread(_clear_stale, tmp, self.log)
+            work = Path(tempfile.mkdtemp(prefix="build-", dir=tmp))
             try:
                 if not (self.layout / "index.json").exists():
                     await self._run("umoci init", "umoci", "init", "--layout", str(self.layout))
@@ -873,6 +875,19 @@ async def _download(url: str, dest: Path) -> None:
     except httpx.HTTPError as exc:
         await asyncio.to_thread(dest.unlink, missing_ok=True)
         raise ImageBuildError(f"downloading {url} failed: {type(exc).__name__}: {exc}") from None
+
+
+def _clear_stale(tmp: Path, log: Callable[[str], None]) -> None:
+    """Remove work directories an interrupted build left in ``tmp`` (builds hold the cache lock,
+    so none is in use), except one with something still mounted below it (a killed mmdebstrap's
+    chroot mounts): removing that could reach the host's /dev or /proc."""
+    mounts = Path("/proc/self/mounts").read_text().splitlines()
+    points = [line.split()[1] for line in mounts if len(line.split()) > 1]
+    for d in tmp.glob("build-*"):
+        if any(p == str(d) or p.startswith(f"{d}/") for p in points):
+            log(f"leaving {d}: something is still mounted below it")
+            continue
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _copy_source(root: Path, dest: Path) -> None:
