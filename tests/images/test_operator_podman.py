@@ -25,14 +25,16 @@ from typing import IO
 
 import pytest
 import yaml
+from lightkube.codecs import load_all_yaml
 from lightkube.resources.core_v1 import Secret
 
 from impvm.api.resources import ImpVMResource
 from impvm.devstack.stack import NAMESPACE, POOL, Stack, StackConfig, wait_for
-from impvm.devstack.testimages import TestImages
 from impvm.images.build import BuiltImage
 
 pytestmark = [pytest.mark.controlplane]
+
+SEED_EXAMPLE = Path(__file__).resolve().parents[1] / "data" / "seed-minimal-example.yaml"
 
 
 def podman(d: Path) -> list[str]:
@@ -178,9 +180,13 @@ async def test_operator_image_reconciles_the_seed_example_under_podman(
     stack: PodmanOperatorStack, pushed: dict[str, str]
 ) -> None:
     assert stack.kube is not None
-    # the seed's example with the built runner images, by digest
-    stack.images = TestImages(base=pushed["runner-base"], runner_layer=pushed["runner-layer"])
-    await stack.apply_example()
+    # the seed's minimal example as committed, its two images replaced by the built ones
+    docs = list(yaml.safe_load_all(SEED_EXAMPLE.read_text()))
+    [template] = [d for d in docs if d["kind"] == "ImpVMTemplate"]
+    template["spec"]["image"] = pushed["runner-base"]
+    template["spec"]["runnerLayer"] = pushed["runner-layer"]
+    for obj in load_all_yaml(yaml.safe_dump_all(docs)):
+        await stack.kube.apply(obj, force=True)
 
     async def vm_with_secret() -> tuple[str, str] | None:
         assert stack.kube is not None
