@@ -45,6 +45,9 @@ if [[ -f tools/npm/package-lock.json ]] && ! cmp -s tools/npm/package-lock.json 
   cp tools/npm/package-lock.json tools/npm/node_modules/.impvm-installed
 fi
 
+log "helm (built once from its Go module, cached)"
+bash scripts/build-helm.sh >/dev/null
+
 if [[ -z "${KUBEBUILDER_ASSETS:-}" ]]; then
   log "control plane binaries (built once, cached)"
   KUBEBUILDER_ASSETS="$(bash src/impvm/devstack/assets/build-control-plane.sh)"
