@@ -260,6 +260,8 @@ def _check_secret_file(field: str, path: Path, what: str) -> None:
         raise ConfigError(f"{field}: {path}: no such file") from None
     except PermissionError:
         raise ConfigError(f"{field}: {path}: permission denied") from None
+    except OSError as e:
+        raise ConfigError(f"{field}: {path}: {e.strerror or e}") from None
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"{field}: {path}: not a regular file")
     if st.st_mode & 0o077:
@@ -277,7 +279,13 @@ def _check_private_key(field: str, path: Path) -> None:
     from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
     try:
-        load_pem_private_key(path.read_bytes(), password=None)
+        data = path.read_bytes()
+    except PermissionError:
+        raise ConfigError(f"{field}: {path}: permission denied") from None
+    except OSError as e:
+        raise ConfigError(f"{field}: {path}: {e.strerror or e}") from None
+    try:
+        load_pem_private_key(data, password=None)
     except (ValueError, TypeError):
         # the message never carries the file's content
         raise ConfigError(f"{field}: {path} is not an unencrypted PEM private key") from None
@@ -343,12 +351,12 @@ def parse_config(text: str, source: str = "impvm.yaml", base: Path | None = None
         if err["type"] == "missing":
             msg = "required field missing"
         raise ConfigError(f"{source}: {where}: {msg}") from None
-    key_field = "github.app.privateKeyFile"
+    key_field = f"{source}: github.app.privateKeyFile"
     _check_secret_file(key_field, cfg.github.app.private_key_file, "GitHub App private key")
     _check_private_key(key_field, cfg.github.app.private_key_file)
     if cfg.github.webhook_secret_file is not None:
         _check_secret_file(
-            "github.webhookSecretFile", cfg.github.webhook_secret_file, "webhook secret"
+            f"{source}: github.webhookSecretFile", cfg.github.webhook_secret_file, "webhook secret"
         )
     for name, pool in cfg.pools.items():
         mode = pool.scaling.mode if pool.scaling else "manual"
