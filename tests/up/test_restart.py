@@ -331,9 +331,22 @@ async def test_kill_9_of_everything_mid_burst_loses_no_job_and_leaks_nothing(
             assert value not in text, f"{what} in {where}"
 
 
-async def test_objects_hold_no_secret_after_restart(machine: Machine) -> None:
-    """Started, stopped with SIGTERM and started again: VMs, pools and Events never carry the
-    JIT config or the key, and the App Secret is the file's content."""
+def component_pid(proc: subprocess.Popen[bytes], name: str) -> int | None:
+    """The pid of ``impvm <name>`` below ``proc``."""
+    for p in descendants(proc.pid):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+            if b"impvm.cli" in argv and argv[argv.index(b"impvm.cli") + 1] == name.encode():
+                return p
+    return None
+
+
+async def test_a_dead_component_is_restarted_and_objects_hold_no_secret(
+    machine: Machine,
+) -> None:
+    """A component killed under a running service is started again; stopped with SIGTERM and
+    started again, VMs, pools and Events never carry the JIT config or the key, and the App
+    Secret is the key file's content."""
     m = machine
     proc = m.start()
 
@@ -342,6 +355,16 @@ async def test_objects_hold_no_secret_after_restart(machine: Machine) -> None:
         return st.get("idle") == 1
 
     await until("an idle runner", idle, 180, m)
+    old = component_pid(proc, "operator")
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+
+    async def restarted() -> bool:
+        new = component_pid(proc, "operator")
+        return new is not None and new != old and "operator restarted" in m.output()
+
+    await until("the operator restarted", restarted, 30, m)
+    assert "operator exited with -9; restarting in 1s" in m.output()
     before = {v["metadata"]["name"] for v in await m.vms()}
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=90) == 0, m.output()[-2000:]
