@@ -45,8 +45,9 @@ if [[ -f tools/npm/package-lock.json ]] && ! cmp -s tools/npm/package-lock.json 
   cp tools/npm/package-lock.json tools/npm/node_modules/.impvm-installed
 fi
 
-log "helm (built once from its Go module, cached)"
+log "helm and the ServiceMonitor CRD for the chart tests (built once from Go modules, cached)"
 bash scripts/build-helm.sh >/dev/null
+bash scripts/build-servicemonitor-crd.sh >/dev/null
 
 if [[ -z "${KUBEBUILDER_ASSETS:-}" ]]; then
   log "control plane binaries (built once, cached)"

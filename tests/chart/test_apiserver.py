@@ -24,6 +24,7 @@ from lightkube.resources.core_v1 import Namespace
 from lightkube.resources.scheduling_v1 import PriorityClass
 
 from impvm.devstack.controlplane import ControlPlane
+from tests.conftest import REPO
 
 from .conftest import CHART, FULL_VALUES, NAMESPACE, Helm, Kubectl, one
 
@@ -37,6 +38,24 @@ def priority_class(kube: Client) -> Iterator[str]:
     kube.create(PriorityClass(metadata=ObjectMeta(name=name), value=1000000))
     yield name
     kube.delete(PriorityClass, name)
+
+
+@pytest.fixture(scope="module")
+def servicemonitor_crd(kubectl: Kubectl) -> Iterator[None]:
+    """The Prometheus Operator's ServiceMonitor CRD, generated from its Go types by
+    scripts/build-servicemonitor-crd.sh (cached), installed for the chart's ServiceMonitor."""
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "build-servicemonitor-crd.sh")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    crd = proc.stdout.strip().splitlines()[-1]
+    kubectl.run("apply", "--server-side", "-f", crd)
+    kubectl.run("wait", "--for=condition=Established", "--timeout=60s", "-f", crd)
+    yield
+    kubectl.run("delete", "--wait=false", "-f", crd)
 
 
 def _dry_run(kubectl: Kubectl, rendered: str) -> str:
@@ -70,15 +89,39 @@ def test_defaults_accepted_by_server_side_dry_run(
 
 
 def test_full_values_accepted_by_server_side_dry_run(
-    helm: Helm, kubectl: Kubectl, release_namespace: str, priority_class: str
+    helm: Helm,
+    kubectl: Kubectl,
+    release_namespace: str,
+    priority_class: str,
+    servicemonitor_crd: None,
 ) -> None:
     out = _dry_run(kubectl, helm.template_text("--values", str(FULL_VALUES)))
     for obj in (
         "deployment.apps/impvm-full-operator",
         "daemonset.apps/impvm-full-agent",
         "ingress.networking.k8s.io/impvm-full-webhook",
+        "servicemonitor.monitoring.coreos.com/impvm-full-operator",
     ):
         assert f"{obj} serverside-applied (server dry run)" in out, out
+
+
+def test_servicemonitor_checked_by_its_schema(
+    helm: Helm, kubectl: Kubectl, release_namespace: str, servicemonitor_crd: None
+) -> None:
+    """The dry run checks against the CRD's real schema: the chart's ServiceMonitor passes, the
+    same with a scheme outside the CRD's enum is refused."""
+    rendered = helm.template_text(
+        "--set",
+        "operator.serviceMonitor.enabled=true",
+        "--show-only",
+        "templates/operator-servicemonitor.yaml",
+    )
+    _dry_run(kubectl, rendered)
+    broken = rendered.replace("path: /metrics", "path: /metrics\n      scheme: gopher")
+    proc = kubectl.run(
+        "apply", "--server-side", "--dry-run=server", "-f", "-", stdin=broken, check=False
+    )
+    assert proc.returncode != 0 and "scheme" in proc.stderr, proc.stderr
 
 
 def test_invalid_rendering_is_refused(helm: Helm, kubectl: Kubectl, release_namespace: str) -> None:
