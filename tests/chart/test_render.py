@@ -129,6 +129,17 @@ def test_agent_daemonset(helm: Helm) -> None:
     ]
     assert "limits" not in c["resources"]  # VMs share the container's cgroup
 
+    # a node without KVM: no /dev/kvm mount (QEMU uses TCG); a KVM device plugin's resource
+    ds = one(
+        helm.template("--set", "agent.kvm=false", "--set", "agent.kvmResource=squat.ai/kvm"),
+        "DaemonSet",
+    )
+    pod = ds["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert "dev-kvm" not in {v["name"] for v in pod["volumes"]}
+    assert "/dev/kvm" not in {m["mountPath"] for m in c["volumeMounts"]}
+    assert c["resources"]["limits"] == {"squat.ai/kvm": 1}
+
 
 def test_full_values_render_every_option(helm: Helm) -> None:
     docs = helm.template("--values", str(FULL_VALUES))
