@@ -26,8 +26,6 @@ from typing import Any
 
 import pytest
 import yaml
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 from lightkube import AsyncClient, Client
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.models.meta_v1 import ObjectMeta
@@ -38,7 +36,7 @@ from impvm.agent.process import host_python_binds
 from impvm.api.resources import ImpVMRunnerPoolResource
 from impvm.devstack.controlplane import ControlPlane, free_port
 from impvm.devstack.registry import LocalRegistry
-from impvm.devstack.stack import INSTALLATION_PERMISSIONS, RUNNER_GROUP
+from impvm.devstack.stack import make_private_key, seed_github
 from impvm.devstack.standin import StandIn
 from impvm.devstack.testimages import build_test_images
 from tests.conftest import REPO
@@ -82,15 +80,6 @@ def bash(script: str, cwd: Path, env: dict[str, str]) -> str:
     return proc.stdout
 
 
-def pem() -> str:
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.TraditionalOpenSSL,
-        serialization.NoEncryption(),
-    ).decode()
-
-
 def test_run_on_your_cluster(
     tmp_path: Path, control_plane: ControlPlane, kube: Client, helm: Any
 ) -> None:
@@ -103,7 +92,7 @@ def test_run_on_your_cluster(
         name = body.splitlines()[0].removeprefix("# ").strip()
         (tmp_path / name).write_text(body)
     key = tmp_path / "app.pem"
-    key.write_text(pem())
+    key.write_text(make_private_key())
     digest_op, digest_ag = "sha256:" + "1" * 64, "sha256:" + "2" * 64
     node = f"readme-{secrets.token_hex(3)}"
     hook = secrets.token_hex(16)
@@ -205,18 +194,14 @@ async def test_run_on_one_machine(tmp_path: Path) -> None:
     cfg: dict[str, Any] = yaml.safe_load(rewrite(config_block, tmp_path))
     config_path = Path(rewrite(config_block.splitlines()[0].removeprefix("# "), tmp_path))
 
-    key = pem()
+    key = make_private_key()
     (tmp_path / "my-app.private-key.pem").write_text(key)
     standin = StandIn()
     await standin.start()
     app_id, installation = cfg["github"]["app"]["id"], cfg["github"]["app"]["installationId"]
     org = cfg["pools"]["ci-pool"]["platform"]["scope"]["org"]
+    seed_github(standin, key, app_id=app_id, installation_id=installation, org=org)
     st = standin.state
-    st.add_app(app_id, key)
-    st.add_org(org)
-    st.add_repo(f"{org}/app")
-    st.add_runner_group(org, RUNNER_GROUP)
-    st.add_installation(installation, app_id, org, INSTALLATION_PERMISSIONS)
     registry = LocalRegistry(storage_dir=tmp_path / "registry")
     await registry.start()
     proc: subprocess.Popen[bytes] | None = None

@@ -10,20 +10,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 
+from impvm.devstack.stack import make_private_key
 from impvm.up.config import APP_SECRET, WEBHOOK_SECRET, ConfigError, load_config, parse_config
 
 
 @pytest.fixture(scope="module")
 def pem() -> bytes:
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.TraditionalOpenSSL,
-        serialization.NoEncryption(),
-    )
+    return make_private_key().encode()
 
 
 def good(tmp: Path, pem: bytes) -> dict:

@@ -25,8 +25,6 @@ from typing import Any
 
 import pytest
 import yaml
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 from lightkube import AsyncClient
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.resources.core_v1 import Event, Secret
@@ -35,16 +33,13 @@ from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
 from impvm.devstack.controlplane import free_port
 from impvm.devstack.registry import LocalRegistry
 from impvm.devstack.stack import (
-    APP_ID,
-    INSTALLATION_ID,
-    INSTALLATION_PERMISSIONS,
     NAMESPACE,
-    ORG,
     POOL,
     REPO,
-    RUNNER_GROUP,
     dev_config,
+    make_private_key,
     random_webhook_secret,
+    seed_github,
 )
 from impvm.devstack.standin import StandIn
 from impvm.devstack.testimages import build_test_images
@@ -184,18 +179,8 @@ async def machine(tmp_path: Path) -> AsyncIterator[Machine]:
     standin = StandIn()
     await standin.start()
     standin.state.runner_timeout = 5.0  # GitHub notices a dead runner after a while; here sooner
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    pem = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.TraditionalOpenSSL,
-        serialization.NoEncryption(),
-    ).decode()
-    st = standin.state
-    st.add_app(APP_ID, pem)
-    st.add_org(ORG)
-    st.add_repo(REPO)
-    st.add_runner_group(ORG, RUNNER_GROUP)
-    st.add_installation(INSTALLATION_ID, APP_ID, ORG, INSTALLATION_PERMISSIONS)
+    pem = make_private_key()
+    seed_github(standin, pem)
     registry = LocalRegistry(storage_dir=tmp_path / "registry")
     await registry.start()
     m: Machine | None = None

@@ -170,7 +170,7 @@ def _fresh(cert_path: Path, key_path: Path) -> bool:
     return left > dt.timedelta(days=RENEW_DAYS)
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` readable by its owner only (created with that mode)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -234,12 +234,12 @@ class ControlPlane:
         else:
             ca_key = _key()
             ca = _cert(ca_name, ca_key, ca_name, ca_key, ca=True, days=ca_days)
-            _write_private(pki / "ca.key", _pem_key(ca_key))
-            _write_private(pki / "ca.crt", ca.public_bytes(serialization.Encoding.PEM))
+            write_private(pki / "ca.key", _pem_key(ca_key))
+            write_private(pki / "ca.crt", ca.public_bytes(serialization.Encoding.PEM))
         if not (keep and (pki / "sa.key").is_file() and (pki / "sa.pub").is_file()):
             sa_key = _key()
-            _write_private(pki / "sa.key", _pem_key(sa_key))
-            _write_private(
+            write_private(pki / "sa.key", _pem_key(sa_key))
+            write_private(
                 pki / "sa.pub",
                 sa_key.public_key().public_bytes(
                     serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
@@ -255,8 +255,8 @@ class ControlPlane:
                 continue
             key = _key()
             cert = _cert(subject, key, ca_name, ca_key, days=leaf_days, **kind)
-            _write_private(key_path, _pem_key(key))
-            _write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
+            write_private(key_path, _pem_key(key))
+            write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
 
     def _ca_key(self) -> rsa.RSAPrivateKey:
         key = serialization.load_pem_private_key((self.pki / "ca.key").read_bytes(), None)
@@ -278,12 +278,12 @@ class ControlPlane:
             cert = _cert(
                 _name(user, groups), key, _name("impvm-ca"), self._ca_key(), client=True, days=days
             )
-            _write_private(key_path, _pem_key(key))
-            _write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
+            write_private(key_path, _pem_key(key))
+            write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
         cfg = self._kubeconfig_dict(
             "sa", {"client-certificate": str(crt), "client-key": str(key_path)}
         )
-        _write_private(path, yaml.safe_dump(cfg).encode())
+        write_private(path, yaml.safe_dump(cfg).encode())
         return path
 
     def _ports(self) -> tuple[int, int, int]:
@@ -325,7 +325,7 @@ class ControlPlane:
                 "client-key": str(self.pki / "admin.key"),
             },
         )
-        _write_private(self.kubeconfig, yaml.safe_dump(cfg).encode())
+        write_private(self.kubeconfig, yaml.safe_dump(cfg).encode())
 
     def _spawn(self, name: str, args: list[str]) -> None:
         self._argv[name] = args

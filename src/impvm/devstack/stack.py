@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from lightkube.resources.core_v1 import Secret
 
 from impvm.agent.process import host_python_binds
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.devstack.controlplane import ControlPlane, free_port
+from impvm.devstack.controlplane import ControlPlane, free_port, write_private
 from impvm.devstack.registry import LocalRegistry
 from impvm.devstack.standin import StandIn
 from impvm.devstack.testimages import TestImages, build_test_images
@@ -177,6 +176,25 @@ def pool_manifest(
             **spec,
         },
     }
+
+
+def seed_github(
+    standin: StandIn,
+    private_key_pem: str,
+    *,
+    app_id: int = APP_ID,
+    installation_id: int = INSTALLATION_ID,
+    org: str = ORG,
+) -> None:
+    """Give the stand-in the App (its public key), the organisation with the repository
+    ``ORG/app`` and the runner group, and the App's installation there with the permissions
+    impvm needs."""
+    st = standin.state
+    st.add_app(app_id, private_key_pem)
+    st.add_org(org)
+    st.add_repo(f"{org}/app")
+    st.add_runner_group(org, RUNNER_GROUP)
+    st.add_installation(installation_id, app_id, org, INSTALLATION_PERMISSIONS)
 
 
 def random_webhook_secret() -> str:
@@ -351,12 +369,12 @@ class Stack:
         secrets_dir = wd / "secrets"
         secrets_dir.mkdir(exist_ok=True, mode=0o700)
         key_file = secrets_dir / "app.pem"
-        _write_private(key_file, self.private_key_pem)
+        write_private(key_file, self.private_key_pem.encode())
         hook_file = None
         if self.config.scaling_mode in ("webhook", "hybrid"):
             self.webhook_secret = random_webhook_secret()
             hook_file = secrets_dir / "webhook-secret"
-            _write_private(hook_file, self.webhook_secret)
+            write_private(hook_file, self.webhook_secret.encode())
         self.operator_http_port = free_port()
         cfg = dev_config(
             workdir=wd,
@@ -388,18 +406,8 @@ class Stack:
 
     def _seed_github(self) -> None:
         assert self.standin is not None
-        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        self.private_key_pem = key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.TraditionalOpenSSL,
-            serialization.NoEncryption(),
-        ).decode()
-        st = self.standin.state
-        st.add_app(APP_ID, self.private_key_pem)
-        st.add_org(ORG)
-        st.add_repo(REPO)
-        st.add_runner_group(ORG, RUNNER_GROUP)
-        st.add_installation(INSTALLATION_ID, APP_ID, ORG, INSTALLATION_PERMISSIONS)
+        self.private_key_pem = make_private_key()
+        seed_github(self.standin, self.private_key_pem)
 
     async def add_pool(
         self,
@@ -536,13 +544,6 @@ class Stack:
         if self.standin is not None:
             await self.standin.stop()
             self.standin = None
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` readable by its owner only (as ``impvm up`` demands of key files)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
 
 
 async def wait_for(
