@@ -3,6 +3,7 @@ that the chart carries deploy/'s CRDs and RBAC rules verbatim."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -200,3 +201,14 @@ def test_rendered_rbac_rules_are_deploy_rbac_rules(helm: Helm) -> None:
     assert leases["rules"] == _rules((REPO / "deploy" / "rbac" / "agent.yaml").read_text(), "Role")
     # a chart with a drifted copy would render other rules: the copy is what is rendered
     assert "impvm.rbacRules" in (CHART / "templates" / "operator-rbac.yaml").read_text()
+
+
+def test_packaged_chart_renders_the_same(helm: Helm, tmp_path: Path) -> None:
+    """`helm package` keeps what the templates read (files/rbac, crds): the archive renders
+    exactly what the directory does."""
+    helm.run("package", str(CHART), "--destination", str(tmp_path))
+    (archive,) = tmp_path.glob("impvm-*.tgz")
+    from_archive = helm.run(
+        "template", "impvm", str(archive), "--namespace", "impvm-system", "--include-crds"
+    ).stdout
+    assert from_archive == helm.template_text("--include-crds")
