@@ -5,7 +5,8 @@ What differs from a real install, and why: the cluster is the test control plane
 kube-apiserver without kubelets, so the chart's pods are never scheduled, and a Node object
 stands in for the KVM host); GitHub is the stand-in, seeded with the App and installation ids the
 README shows; the one-machine configuration gets the stand-in's URL, the test images and the
-process runtime (QEMU boots are covered by tests/qemu), a free port and throwaway etcd data; paths
+process runtime on the host's network (QEMU boots and VM networks are covered by tests/qemu and
+tests/network; the stand-in listens on loopback), a free port and throwaway etcd data; paths
 under /etc, /var/lib and /opt move into a temporary directory and the checkout, ``sudo`` is
 dropped (the tests run as root), and ``systemctl`` (no systemd here) becomes ``systemd-analyze
 verify`` of the installed unit.
@@ -217,6 +218,7 @@ async def test_run_on_one_machine(tmp_path: Path) -> None:
         cfg["operator"]["listen"] = f"127.0.0.1:{port}"
         cfg["agent"].update(
             runtime="process",
+            guestNetwork="host",
             insecureRegistries=[registry.address],
             readOnlyBinds=[str(p) for p in host_python_binds()],
         )

@@ -35,6 +35,7 @@ def test_lint_defaults_and_full_values(helm: Helm) -> None:
         (["--set", "agent.qemu.accelerator=hvf"], "agent/qemu/accelerator"),
         (["--set", "operator.service.type=External"], "operator/service/type"),
         (["--set", "agent.hostPath=relative/dir"], "agent/hostPath"),
+        (["--set", "agent.network.subnet=10.0.0.0/8"], "agent/network/subnet"),
     ],
 )
 def test_schema_rejects_bad_values_naming_the_field(
@@ -125,6 +126,10 @@ def test_agent_daemonset(helm: Helm) -> None:
     assert vols["state"]["hostPath"] == {"path": "/var/lib/impvm", "type": "DirectoryOrCreate"}
     assert mounts["state"] == "/var/lib/impvm"
     assert "--workdir=/var/lib/impvm" in c["args"] and "--runtime=qemu" in c["args"]
+    # each VM its own network; forwarding in the pod's namespace as a sysctl
+    assert "--guest-network=isolated" in c["args"]
+    assert "--guest-subnet=10.213.0.0/16" in c["args"]
+    assert pod["securityContext"]["sysctls"] == [{"name": "net.ipv4.ip_forward", "value": "1"}]
     assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in c[
         "env"
     ]
@@ -157,6 +162,9 @@ def test_full_values_render_every_option(helm: Helm) -> None:
     assert a["resources"]["limits"] == {"devices.kubevirt.io/kvm": 1}
     assert "--insecure-registry=registry.internal:5000" in a["args"]
     assert "--vcpu=32" in a["args"] and "--memory-mib=65536" in a["args"]
+    assert "--guest-subnet=10.99.0.0/20" in a["args"]
+    assert "--guest-dns=192.0.2.53" in a["args"] and "--guest-dns=192.0.2.54" in a["args"]
+    assert "sysctls" not in ds["spec"]["template"]["spec"]["securityContext"]
     sm = helm.template(
         "--values", str(FULL_VALUES), "--set", "operator.serviceMonitor.enabled=true"
     )

@@ -9,12 +9,20 @@ both pinned by digest. The generated ``impvm.yaml`` (in the work directory) name
 GitHub, the App's key file, the registry as insecure, and the seed's minimal example with the two
 image placeholders replaced by the pushed digests as its class, template and pool; the service
 then runs the control plane, the operator and one agent from it exactly as ``impvm up`` does.
+
+Networks (as root, the default then): the stand-in listens in a namespace of its own, the stand-in
+"internet" (:class:`impvm.devstack.netns.DevNetwork`); the agent gives each VM its own network
+(``guestNetwork: isolated``) and guests reach the stand-in through the node's NAT, as they
+would reach GitHub, and nothing else; the operator reaches it over the host's route to that
+namespace. Not as root: the stand-in on loopback and ``guestNetwork: host`` (no isolation).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import base64
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -32,6 +40,7 @@ from lightkube.resources.core_v1 import Secret
 from impvm.agent.process import host_python_binds
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
 from impvm.devstack.controlplane import ControlPlane, free_port, write_private
+from impvm.devstack.netns import DevNetwork
 from impvm.devstack.registry import LocalRegistry
 from impvm.devstack.standin import StandIn
 from impvm.devstack.testimages import TestImages, build_test_images
@@ -225,11 +234,13 @@ def dev_config(
     scaling_mode: str = "polling",
     polling_interval_seconds: int | None = None,
     webhook_secret_file: Path | None = None,
+    devnet: DevNetwork | None = None,
 ) -> dict[str, Any]:
     """The ``impvm.yaml`` of the development stack (see :mod:`impvm.up.config`): the stand-in
     as GitHub, the loopback registry, the process runtime's host binds, throwaway etcd data, and
     (``images`` given) the seed's minimal example as its class, template and pool, the pool
-    using ``scaling_mode`` (the seed's polling by default)."""
+    using ``scaling_mode`` (the seed's polling by default). ``devnet``: VMs on isolated networks
+    that reach the stand-in there; without it VMs share the host's network."""
     cfg: dict[str, Any] = {
         "dataDir": str(workdir),
         "github": {
@@ -251,6 +262,17 @@ def dev_config(
         },
         "kubernetes": {"apiPort": 0, "namespace": NAMESPACE, "etcdFsync": False},
     }
+    if devnet is not None:
+        # no resolver: the stand-in is reached by address
+        cfg["agent"].update(
+            guestNetwork="isolated",
+            guestSubnet=devnet.guest_subnet,
+            networkTable=devnet.table,
+            networkPrefix=devnet.ifprefix,
+            guestDns=["none"],
+        )
+    else:
+        cfg["agent"]["guestNetwork"] = "host"
     if webhook_secret_file is not None:
         cfg["github"]["webhookSecretFile"] = str(webhook_secret_file)
     if images is not None:
@@ -293,6 +315,9 @@ class StackConfig:
     webhook_drop_rate: float = 0.0
     #: start one agent (node-1); without it VMs are created but never run (benchmarks)
     start_agent: bool = True
+    #: guests on isolated networks, the stand-in in its own "internet" namespace
+    #: (:class:`impvm.devstack.netns.DevNetwork`; needs root); None: when running as root
+    isolated_network: bool | None = None
 
 
 @dataclass
@@ -309,6 +334,7 @@ class Stack:
     private_key_pem: str = field(default="", repr=False)
     webhook_secret: str = field(default="", repr=False)
     operator_http_port: int = 0
+    devnet: DevNetwork | None = None
     _kube: AsyncClient | None = None
 
     @property
@@ -356,9 +382,20 @@ class Stack:
         ``impvm.yaml``, and make (not start) the service from that file."""
         wd = self.config.workdir
         wd.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.standin = StandIn()
+        isolated = self.config.isolated_network
+        if isolated is None:
+            isolated = os.geteuid() == 0
+        if isolated:
+            # guests reach the stand-in as they would reach GitHub: through the node's NAT,
+            # in a namespace of its own
+            self.devnet = await asyncio.to_thread(DevNetwork.create)
+            atexit.register(self.devnet.delete)
+            sock = self.devnet.internet.socket(self.devnet.server_address, 0)
+            self.standin = StandIn(sock=sock)
+        else:
+            self.standin = StandIn()
         await self.standin.start()
-        if self.config.runtime == "qemu":
+        if self.devnet is None and self.config.runtime == "qemu":
             # QEMU user-mode networking: the guest reaches the host's loopback as 10.0.2.2
             self.standin.state.runner_base_url = f"http://10.0.2.2:{self.standin.port}"
         self._seed_github()
@@ -389,6 +426,7 @@ class Stack:
             scaling_mode=self.config.scaling_mode,
             polling_interval_seconds=self.config.polling_interval_seconds,
             webhook_secret_file=hook_file,
+            devnet=self.devnet,
         )
         self.config_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.service = Service(load_config(self.config_file), source=str(self.config_file))
@@ -544,6 +582,10 @@ class Stack:
         if self.standin is not None:
             await self.standin.stop()
             self.standin = None
+        if self.devnet is not None:
+            await asyncio.to_thread(self.devnet.delete)
+            atexit.unregister(self.devnet.delete)
+            self.devnet = None
 
 
 async def wait_for(

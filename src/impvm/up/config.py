@@ -137,6 +137,36 @@ class AgentConfig(_Model):
         alias="readOnlyBinds",
         description="Host paths bound read-only into process-runtime sandboxes (development).",
     )
+    guest_network: Literal["isolated", "host"] = Field(
+        default="isolated",
+        alias="guestNetwork",
+        description="isolated: each VM its own network, NAT and egress policy (docs/network.md); "
+        "host: VMs share this host's network, no isolation (development only).",
+    )
+    guest_subnet: str = Field(
+        default="10.213.0.0/16",
+        alias="guestSubnet",
+        description="IPv4 subnet the VMs' addresses come from (/16 to /28).",
+    )
+    guest_dns: list[str] | None = Field(
+        default=None,
+        alias="guestDns",
+        description="Resolvers for VMs (default: the node's; [none]: none).",
+    )
+    network_table: str = Field(default="impvm", alias="networkTable", pattern=r"^[a-z][a-z0-9_-]*$")
+    network_prefix: str = Field(
+        default="impvm", alias="networkPrefix", pattern=r"^[a-z][a-z0-9]{0,8}$"
+    )
+
+    @field_validator("guest_subnet")
+    @classmethod
+    def _subnet(cls, v: str) -> str:
+        import ipaddress
+
+        net = ipaddress.IPv4Network(v)  # ValueError names what is wrong
+        if not 16 <= net.prefixlen <= 28:
+            raise ValueError("want a /16 to /28 IPv4 subnet")
+        return v
 
 
 class KubernetesConfig(_Model):

@@ -304,6 +304,18 @@ class Service:
             args += ["--insecure-registry", r]
         for p in a.read_only_binds:
             args += ["--bind-ro", str(p)]
+        args += [
+            "--guest-network",
+            a.guest_network,
+            "--guest-subnet",
+            a.guest_subnet,
+            "--network-table",
+            a.network_table,
+            "--network-prefix",
+            a.network_prefix,
+        ]
+        for d in a.guest_dns or []:
+            args += ["--guest-dns", d]
         self._spawn(f"agent-{node}", args, "agent")
 
     def start_operator(self) -> None:
