@@ -15,6 +15,7 @@ Shape (camelCase keys, like the API; every key but ``github`` is optional)::
       listen: 0.0.0.0:8080             # POST /webhooks/github, GET /metrics, GET /healthz
     agent:
       runtime: qemu                    # qemu (default) or process (development)
+      guestSubnet: 10.213.0.0/16       # each VM its own network (docs/network.md)
     kubernetes:
       apiPort: 6443                    # the embedded kube-apiserver, on 127.0.0.1
       namespace: default               # where the pools below and the credentials live
