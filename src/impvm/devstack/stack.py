@@ -477,24 +477,7 @@ class Stack:
             }
         if mode in ("webhook", "hybrid"):
             scaling["webhook"] = {"secretRef": {"name": WEBHOOK_SECRET}}
-        doc = {
-            "apiVersion": "imp.dev/v1alpha1",
-            "kind": "ImpVMRunnerPool",
-            "metadata": {"name": name, "namespace": NAMESPACE},
-            "spec": {
-                "templateName": "gh-runner",
-                "labels": labels,
-                "platform": {
-                    "type": "github-actions",
-                    "scope": {"org": ORG},
-                    "runnerGroup": RUNNER_GROUP,
-                    "credentialsSecret": APP_SECRET,
-                    "tokenSource": "github_app",
-                },
-                "scaling": scaling,
-                **(extra or {}),
-            },
-        }
+        doc = pool_manifest(name, NAMESPACE, scaling, labels=labels, **(extra or {}))
         await self.kube.create(ImpVMRunnerPoolResource.from_dict(doc))
 
     # ------------------------------------------------------------------ processes
