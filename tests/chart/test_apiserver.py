@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -52,8 +53,25 @@ def servicemonitor_crd(kubectl: Kubectl) -> Iterator[None]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     crd = proc.stdout.strip().splitlines()[-1]
-    kubectl.run("apply", "--server-side", "-f", crd)
-    kubectl.run("wait", "--for=condition=Established", "--timeout=60s", "-f", crd)
+    # established, and its storage serving (a fresh CRD answers 429 "storage is (re)initializing"
+    # for a moment)
+    last = ""
+    for _ in range(60):
+        steps = (
+            ("apply", "--server-side", "-f", crd),
+            ("wait", "--for=condition=Established", "--timeout=30s", "-f", crd),
+            ("get", "servicemonitors.monitoring.coreos.com", "-A"),
+        )
+        for step in steps:
+            p = kubectl.run(*step, check=False)
+            if p.returncode != 0:
+                last = p.stderr
+                break
+        else:
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError(f"the ServiceMonitor CRD did not become usable: {last}")
     yield
     kubectl.run("delete", "--wait=false", "-f", crd)
 
