@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from impvm import __version__
+from impvm.images.cli import images_app
 from impvm.sim.cli import simulate_app
 
 app = typer.Typer(
@@ -25,6 +26,7 @@ app = typer.Typer(
 dev_app = typer.Typer(help="The embedded local stack.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(dev_app, name="dev")
 app.add_typer(simulate_app, name="simulate")
+app.add_typer(images_app, name="images")
 
 
 def _version_callback(value: bool) -> None:
@@ -184,6 +186,20 @@ def github_standin(
     standin.serve(host=host, port=port)
 
 
+@app.command()
+def up(
+    config: Annotated[
+        Path, typer.Option("--config", "-c", help="The configuration file (impvm.yaml).")
+    ],
+) -> None:
+    """Run impvm on this machine: the embedded control plane (state in the configuration's
+    dataDir), the operator and one agent, with the configuration's GitHub App and pools.
+    Runs until SIGTERM/SIGINT; a configuration error prints one line and exits 2."""
+    from impvm.up.main import run
+
+    raise typer.Exit(code=run(config))
+
+
 @dev_app.command("up")
 def dev_up(
     runtime: Annotated[str, typer.Option(help="VM runtime: process or qemu.")] = "process",
@@ -196,8 +212,8 @@ def dev_up(
     ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds --until-done waits.")] = 900.0,
 ) -> None:
-    """Start the embedded stack: control plane + CRDs, GitHub stand-in, registry with test
-    images, operator, one agent, and the seed's minimal example; show VMs and runners live."""
+    """impvm up with a generated configuration: the GitHub stand-in, a registry with test
+    images and the seed's minimal example as the pool; show VMs and runners live."""
     from impvm.devstack.up import run
 
     raise typer.Exit(
