@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -83,6 +84,14 @@ def operator(
             "deliveries were lost.",
         ),
     ] = 300.0,
+    agent_service_account: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="NAMESPACE/NAME",
+            help="ServiceAccount of the node agents, the only callers handed JIT configs; "
+            "repeat for more (default: impvm-system/impvm-agent).",
+        ),
+    ] = None,
 ) -> None:
     """Run the operator (pool controller, webhook receiver, reaper). Kubernetes credentials:
     KUBECONFIG or in-cluster."""
@@ -94,6 +103,16 @@ def operator(
         node_lost_grace_seconds=node_lost_grace_seconds,
         webhook_safety_poll_seconds=webhook_safety_poll_seconds,
     )
+    if agent_service_account:
+        users = []
+        for sa in agent_service_account:
+            ns, sep, name = sa.partition("/")
+            if not sep or not ns or not name or "/" in name:
+                raise typer.BadParameter(
+                    f"{sa!r} is not NAMESPACE/NAME", param_hint="--agent-service-account"
+                )
+            users.append(f"system:serviceaccount:{ns}:{name}")
+        settings = replace(settings, agent_service_accounts=tuple(users))
     operator_main(namespace or [], http_host, http_port, settings)
 
 
@@ -148,6 +167,21 @@ def agent(
     network_prefix: Annotated[
         str, typer.Option(help="Name prefix of the VMs' interfaces (<prefix>-<slot>).")
     ] = "impvm",
+    operator_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="IMPVM_OPERATOR_URL",
+            help="Base URL of the operator, which hands out the VMs' JIT configs "
+            "(e.g. http://impvm-operator.impvm-system:8080).",
+        ),
+    ] = None,
+    token_file: Annotated[
+        Path,
+        typer.Option(
+            help="Node-bound ServiceAccount token (audience impvm-operator) shown to the "
+            "operator; read at every request.",
+        ),
+    ] = Path("/var/run/secrets/impvm/token"),
 ) -> None:
     """Run the node agent: claim ImpVMs for this node and run them."""
     import os
@@ -172,6 +206,8 @@ def agent(
         guest_dns,
         network_table,
         network_prefix,
+        operator_url,
+        token_file,
     )
 
 

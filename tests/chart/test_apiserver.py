@@ -234,8 +234,9 @@ def test_operator_pod_meets_the_restricted_pod_security_standard(helm: Helm, kub
 #: What each component's code does with the API (verbs per (group, resource)), written from the
 #: code, not from the RBAC files: operator (impvm.operator: kopf watches pools, the pool pass
 #: creates/deletes VMs, mints JIT Secrets, records Events, reads agent Leases; kopf discovers
-#: CRDs) and agent (impvm.agent: claims VMs with a patch, writes their status, reads the JIT
-#: Secret at launch, records Events, renews its Lease).
+#: CRDs; the JIT config hand-out reviews agents' tokens) and agent (impvm.agent: claims VMs with
+#: a patch, writes their status, records Events, renews its Lease; it reads no Secret at all: its
+#: JIT configs come from the operator's hand-out).
 OPERATOR: dict[tuple[str, str], set[str]] = {
     ("imp.dev", "impvmrunnerpools"): {"get", "list", "watch", "patch"},
     ("imp.dev", "impvmrunnerpools/status"): {"get", "patch"},
@@ -248,12 +249,12 @@ OPERATOR: dict[tuple[str, str], set[str]] = {
     ("events.k8s.io", "events"): {"create", "patch"},
     ("coordination.k8s.io", "leases"): {"get", "list", "watch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    ("authentication.k8s.io", "tokenreviews"): {"create"},
 }
 AGENT: dict[tuple[str, str], set[str]] = {
     ("imp.dev", "impvms"): {"get", "list", "watch", "patch"},
     ("imp.dev", "impvms/status"): {"get", "patch"},
     ("imp.dev", "impvmclasses"): {"get", "list", "watch"},
-    ("", "secrets"): {"get"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from lightkube import AsyncClient
 
-from impvm.api.models import PoolKey
+from impvm.api.models import AGENT_LEASE_NAMESPACE, PoolKey
 from impvm.api.times import Clock, as_clock
 from impvm.events import EventRecorder
 from impvm.github import RetryPolicy
@@ -60,6 +60,10 @@ class OperatorSettings:
     runner_group_ttl: float = 300.0
     #: seconds past an agent Lease's duration before its node's VMs are given up
     node_lost_grace_seconds: float = 60.0
+    #: usernames of the agents' ServiceAccounts, the only callers given JIT configs
+    agent_service_accounts: tuple[str, ...] = (
+        f"system:serviceaccount:{AGENT_LEASE_NAMESPACE}:impvm-agent",
+    )
 
     def for_pass(self) -> PassSettings:
         """The tunables the pure pool pass reads."""

@@ -11,6 +11,7 @@ from lightkube import AsyncClient
 import impvm.operator.handlers  # noqa: F401 - registers the kopf handlers
 from impvm.operator import http
 from impvm.operator.context import OperatorContext, OperatorSettings
+from impvm.operator.jithandout import JitHandout
 from impvm.operator.webhooks import WebhookReceiver
 
 
@@ -24,7 +25,9 @@ async def run(
     from ``KUBECONFIG`` or the in-cluster ServiceAccount (kopf's and lightkube's discovery)."""
     kube = AsyncClient(field_manager="impvm-operator")
     ctx = OperatorContext(kube, settings)
-    runner = await http.start(http.make_app(WebhookReceiver(ctx).handle), http_host, http_port)
+    handout = JitHandout(kube, frozenset(settings.agent_service_accounts))
+    app = http.make_app(WebhookReceiver(ctx).handle, handout.handle)
+    runner = await http.start(app, http_host, http_port)
     logging.getLogger("impvm.operator").info("HTTP on %s:%d", http_host, http_port)
     try:
         await kopf.operator(
