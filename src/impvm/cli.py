@@ -84,6 +84,29 @@ def operator(
             "deliveries were lost.",
         ),
     ] = 300.0,
+    leader_elect: Annotated[
+        bool,
+        typer.Option(
+            help="Elect a leader on the Lease impvm-operator in impvm-system: only the leader "
+            "reconciles, so several replicas may run."
+        ),
+    ] = True,
+    leader_lease_seconds: Annotated[
+        float,
+        typer.Option(
+            min=3.0,
+            help="Seconds a leader's Lease is honoured without renewal (it stops after 2/3 "
+            "of it; a standby takes over after all of it).",
+        ),
+    ] = 15.0,
+    advertise_url: Annotated[
+        str,
+        typer.Option(
+            envvar="IMPVM_ADVERTISE_URL",
+            help="URL of this replica's HTTP endpoint as the other replicas reach it (e.g. "
+            "http://$(POD_IP):8080); standbys forward webhook deliveries there.",
+        ),
+    ] = "",
     agent_service_account: Annotated[
         list[str] | None,
         typer.Option(
@@ -102,6 +125,9 @@ def operator(
         github_api_url=github_api_url,
         node_lost_grace_seconds=node_lost_grace_seconds,
         webhook_safety_poll_seconds=webhook_safety_poll_seconds,
+        leader_elect=leader_elect,
+        leader_lease_seconds=leader_lease_seconds,
+        advertise_url=advertise_url,
     )
     if agent_service_account:
         users = []

@@ -258,6 +258,10 @@ AGENT: dict[tuple[str, str], set[str]] = {
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }
+#: the operator's leader-election Lease, in the release namespace only
+OPERATOR_IN_RELEASE_NAMESPACE: dict[tuple[str, str], set[str]] = {
+    ("coordination.k8s.io", "leases"): {"get", "list", "watch", "create", "update"},
+}
 #: the agent's Lease, in the release namespace only
 AGENT_IN_RELEASE_NAMESPACE: dict[tuple[str, str], set[str]] = {
     ("coordination.k8s.io", "leases"): {"get", "create", "update", "patch"},
@@ -353,7 +357,7 @@ def test_service_accounts_can_do_their_job_and_nothing_else(
 ) -> None:
     resources = _api_resources(kubectl)
     served = {(g, r) for g, r, _, _ in resources}
-    for table in (OPERATOR, AGENT, AGENT_IN_RELEASE_NAMESPACE):
+    for table in (OPERATOR, AGENT, AGENT_IN_RELEASE_NAMESPACE, OPERATOR_IN_RELEASE_NAMESPACE):
         assert set(table) <= served, set(table) - served  # the tables name real resources
 
     # what any ServiceAccount may do without a binding (discovery, self reviews): allowed to all
@@ -365,7 +369,10 @@ def test_service_accounts_can_do_their_job_and_nothing_else(
         agent = _permissions(kube, f"{sa}-agent", where, resources) - baseline
         # cluster-wide roles: the same answer in every namespace and at cluster scope, except
         # that namespaced-only checks at cluster scope mean "in all namespaces"
-        assert operator == _flat(OPERATOR), (where, _diff(operator, _flat(OPERATOR)))
+        want_operator = _flat(OPERATOR) | (
+            _flat(OPERATOR_IN_RELEASE_NAMESPACE) if where == NAMESPACE else set()
+        )
+        assert operator == want_operator, (where, _diff(operator, want_operator))
         want_agent = _flat(AGENT) | (
             _flat(AGENT_IN_RELEASE_NAMESPACE) if where == NAMESPACE else set()
         )

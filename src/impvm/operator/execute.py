@@ -160,6 +160,9 @@ class PlanExecutor:
             return None
         if self.gh is None:
             return Outcome()
+        if not self.ctx.leading():  # fencing: a replica that lost its Lease mints nothing
+            log.warning("not minting a JIT config for %s/%s: not the leader", self.ns, m.vm)
+            return Outcome()
         spec = self.world.pool.spec
         try:
             if m.stale_runner_id is not None:

@@ -320,11 +320,8 @@ class Service:
         for d in a.guest_dns or []:
             args += ["--guest-dns", d]
         host, port = self.config.listen()
-        if host in ("", "0.0.0.0", "::"):  # noqa: S104 - the address it listens on, not ours
-            host = "127.0.0.1"
-        if ":" in host:
-            host = f"[{host}]"
-        args += ["--operator-url", f"http://{host}:{port}", "--token-file", str(self._token(node))]
+        url = f"http://{_near(host)}:{port}"
+        args += ["--operator-url", url, "--token-file", str(self._token(node))]
         self._spawn(f"agent-{node}", args, "agent")
 
     def _token_path(self, node: str) -> Path:
@@ -359,9 +356,13 @@ class Service:
             if now - at > 3600 and f"agent-{node}" in self.procs:
                 self._token(node)
 
-    def start_operator(self) -> None:
-        """Start (or restart) the operator."""
-        host, port = self.config.listen()
+    def start_operator(self, replica: int = 0, port: int | None = None) -> str:
+        """Start (or restart) an operator replica: ``operator`` on the configured address, or
+        ``operator-<replica>`` on ``port`` of the same host (the replicas elect a leader).
+        Returns the process name."""
+        host, listen_port = self.config.listen()
+        port = listen_port if port is None else port
+        name = "operator" if replica == 0 else f"operator-{replica}"
         args = [
             "operator",
             "--http-host",
@@ -370,10 +371,13 @@ class Service:
             str(port),
             "--node-lost-grace-seconds",
             str(self.config.operator.node_lost_grace_seconds),
+            "--advertise-url",
+            f"http://{_near(host)}:{port}",
         ]
         if self.config.github.api_url:
             args += ["--github-api-url", self.config.github.api_url]
-        self._spawn("operator", args, "operator")
+        self._spawn(name, args, "operator")
+        return name
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal one process (``operator`` or ``agent-<node>``) and its session, and wait for
@@ -450,6 +454,13 @@ class Service:
             self.kube = None
         if self.control_plane is not None:
             await asyncio.to_thread(self.control_plane.stop)
+
+
+def _near(host: str) -> str:
+    """How a process on this machine reaches a server listening on ``host`` (URL form)."""
+    if host in ("", "0.0.0.0", "::"):  # noqa: S104 - the address it listens on, not ours
+        host = "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
 
 
 def _one_line(e: ApiError) -> str:
