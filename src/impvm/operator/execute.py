@@ -65,7 +65,11 @@ class PlanExecutor:
         self.scope = scope_of(world.pool.spec.platform)
 
     async def run(self, plan: PoolPlan) -> Outcome:
-        """Every act of ``plan``, in order; returns what happened."""
+        """Every act of ``plan``, in order; returns what happened. A replica that is not the
+        leader (``ctx.leading``, the fencing check) acts on nothing."""
+        if not self.ctx.leading():
+            log.warning("pool %s/%s: not acting: not the leader", *self.key)
+            return Outcome()
         kube = self.ctx.kube
         for r in plan.releases:
             meta = {"resourceVersion": r.resource_version, "finalizers": list(r.finalizers)}
