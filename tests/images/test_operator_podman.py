@@ -34,7 +34,7 @@ from impvm.images.build import BuiltImage
 
 pytestmark = [pytest.mark.controlplane]
 
-SEED_EXAMPLE = Path(__file__).resolve().parents[1] / "data" / "seed-minimal-example.yaml"
+SEED_EXAMPLE = Path(__file__).resolve().parents[1] / "data" / "minimal-example.yaml"
 
 
 def podman(d: Path) -> list[str]:
