@@ -48,7 +48,7 @@ JIT_SECRET_KEY = "jitconfig"
 #: Key of the webhook secret in the Secret named by ``scaling.webhook.secretRef``.
 WEBHOOK_SECRET_KEY = "webhook_secret"
 
-#: ``name@sha256:<64 hex>``: an OCI reference pinned by digest (OCI distribution spec: pull by digest).
+#: ``name@sha256:<64 hex>``: an OCI reference pinned by digest (OCI distribution spec).
 DIGEST_REF_PATTERN = r"^[^@[:space:]]+@sha256:[0-9a-f]{64}$"
 #: GitHub's ``owner/name`` repository form.
 REPO_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/[A-Za-z0-9._-]{1,100}$"

@@ -10,7 +10,8 @@ Two images follow the runner image contract (docs/images.md), shrunk to what a t
 
 Images are built with ``umoci`` (init/new/unpack/repack/config) into an OCI layout and pushed with
 ``skopeo copy oci:... docker://HOST:PORT/...`` (plain HTTP). The functions return references
-pinned by digest (OCI distribution spec, pull by digest), e.g. ``127.0.0.1:5000/imp/runner-base@sha256:...``.
+pinned by digest (OCI distribution spec), e.g.
+``127.0.0.1:5000/imp/runner-base@sha256:...``.
 
 Example::
 

@@ -26,8 +26,8 @@ row   condition                                                    action      r
 ====  ===========================================================  ==========  ============
 
 A VM is only deleted on a positive answer from GitHub: when the run or job cannot be read the
-caller reports :func:`lookup_failed` (not judged) and leaves the VM alone (ARC's reaper proposal, failure
-behaviour). Durations are seconds; datetimes must be timezone-aware.
+caller reports :func:`lookup_failed` (not judged) and leaves the VM alone (ARC's reaper
+proposal, failure behaviour). Durations are seconds; datetimes must be timezone-aware.
 
 GitHub's workflow run ``status`` is ``completed`` for every finished run, whatever its
 ``conclusion`` (success, failure, **cancelled**, timed_out, skipped, ...); a run has no
@@ -308,8 +308,8 @@ def needs_lookup(vm: ReapVM) -> Lookup | Verdict:
 
 
 def lookup_failed(vm: ReapVM, lookup: Lookup, error: str) -> Verdict:
-    """Verdict for a VM whose run or job could not be read: not judged, never deleted (ARC's reaper proposal:
-    "if one runner's run or jobs cannot be read, that runner is left alone"). ``error`` must not
+    """Verdict for a VM whose run or job could not be read: not judged, never deleted (ARC's
+    reaper proposal: "if one runner's run or jobs cannot be read, that runner is left alone"). ``error`` must not
     hold a secret (it is put in the reason)."""
     return Verdict(
         action=Action.NOT_JUDGED,
