@@ -309,8 +309,8 @@ def needs_lookup(vm: ReapVM) -> Lookup | Verdict:
 
 def lookup_failed(vm: ReapVM, lookup: Lookup, error: str) -> Verdict:
     """Verdict for a VM whose run or job could not be read: not judged, never deleted (ARC's
-    reaper proposal: "if one runner's run or jobs cannot be read, that runner is left alone"). ``error`` must not
-    hold a secret (it is put in the reason)."""
+    reaper proposal: "if one runner's run or jobs cannot be read, that runner is left alone").
+    ``error`` must not hold a secret (it is put in the reason)."""
     return Verdict(
         action=Action.NOT_JUDGED,
         rule=Rule.LOOKUP_FAILED,
