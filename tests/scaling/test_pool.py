@@ -501,9 +501,7 @@ def test_parse_demand() -> None:
 
 def test_limits_from_seed_example_spec() -> None:
     docs = list(
-        yaml.safe_load_all(
-            (Path(__file__).parent.parent / "data/minimal-example.yaml").read_text()
-        )
+        yaml.safe_load_all((Path(__file__).parent.parent / "data/minimal-example.yaml").read_text())
     )
     pool = next(d for d in docs if d["kind"] == "ImpVMRunnerPool")
     lim = PoolLimits.from_spec(ImpVMRunnerPoolSpec.model_validate(pool["spec"]))
