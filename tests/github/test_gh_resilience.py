@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 from gh_support import ORG, RecordingSleep, api_requests, control
 
@@ -173,3 +174,23 @@ async def test_token_mint_5xx_is_retried(
         for r in api_requests(standin, "/app/installations/{installation_id}/access_tokens")
     ]
     assert statuses == [500, 201]
+
+
+async def test_a_share_of_calls_fails_with_5xx(standin: StandIn, client: GitHubClient) -> None:
+    """``probability``: each matching request fails with that chance, and only a request that
+    failed uses up ``count`` (the chaos benchmark's "20 % of GitHub calls fail")."""
+    await _warm(client, standin)
+    await control(
+        standin,
+        "POST",
+        "/_standin/failures",
+        {"kind": "status", "status": 502, "count": 1000, "probability": 0.2, "path": GROUPS},
+    )
+    async with httpx.AsyncClient(base_url=standin.url) as http:  # anonymous: 401 unless failed
+        statuses = [
+            (await http.get(f"/orgs/{ORG}/actions/runner-groups")).status_code for _ in range(400)
+        ]
+    failed = statuses.count(502)
+    assert 40 <= failed <= 120, failed  # 80 expected; p(outside) < 1e-6
+    assert set(statuses) == {401, 502}
+    assert standin.state.failures[0].count == 1000 - failed

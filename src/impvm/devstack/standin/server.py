@@ -230,6 +230,8 @@ def _matching_failure(state: StandInState, method: str, path: str) -> Failure | 
             continue
         if failure.path and failure.path != path:
             continue
+        if failure.probability < 1.0 and random.random() >= failure.probability:
+            continue
         failure.count -= 1
         return failure
     return None

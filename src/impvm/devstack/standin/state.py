@@ -157,7 +157,11 @@ class Failure:
     ``kind``: ``status`` (respond ``status`` with ``message``), ``timeout`` (delay ``delay`` s
     before answering normally), ``primary_rate_limit`` (403, remaining 0, reset in
     ``reset_in`` s), ``secondary_rate_limit`` (403 with ``retry-after`` if ``retry_after``
-    is set, else without), ``suspend`` (403 installation suspended)."""
+    is set, else without), ``suspend`` (403 installation suspended).
+
+    ``probability`` (0..1): the share of matching requests that fail (each draws at random; one
+    that does not fail leaves ``count`` as it was), for a GitHub that fails some calls rather
+    than the next few."""
 
     kind: str
     count: int = 1
@@ -168,6 +172,7 @@ class Failure:
     delay: float = 0.0
     retry_after: int | None = None
     reset_in: int = 60
+    probability: float = 1.0
 
 
 @dataclass
