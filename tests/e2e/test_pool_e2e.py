@@ -4,8 +4,6 @@ agent (process runtime, bubblewrap) as real processes."""
 
 from __future__ import annotations
 
-import asyncio
-import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Event, Secret
 
+from impvm.devstack.leaks import Recorder
 from impvm.devstack.stack import (
     CREDENTIALS_SECRET,
     NAMESPACE,
@@ -41,51 +40,6 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
 
 def live(vms: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [v for v in vms if not v["metadata"].get("deletionTimestamp")]
-
-
-class Recorder:
-    """Samples the stack while a test runs: VM counts and every secret value seen."""
-
-    def __init__(self, stack: Stack) -> None:
-        self.stack = stack
-        self.max_vms = 0
-        self.jit_configs: set[str] = set()
-        self.session_tokens: set[str] = set()
-        self.runner_facts: dict[str, tuple[list[str], int]] = {}
-        self.vm_names: set[str] = set()
-        self._task: asyncio.Task[None] | None = None
-
-    async def _loop(self) -> None:
-        kube = self.stack.kube
-        assert kube is not None
-        while True:
-            try:
-                await self._sample(kube)
-            except ApiError:  # e.g. 429 while the API server warms up: sample again
-                pass
-            await asyncio.sleep(0.2)
-
-    async def _sample(self, kube: Any) -> None:
-        vms = await self.stack.vms()
-        self.vm_names |= {v["metadata"]["name"] for v in vms}
-        self.max_vms = max(self.max_vms, len(vms))
-        async for sec in kube.list(Secret, namespace=NAMESPACE):
-            data = sec.data or {}
-            if "jitconfig" in data:
-                self.jit_configs.add(base64.b64decode(data["jitconfig"]).decode())
-        for r in self.stack.runners():
-            self.session_tokens.add(r.session_token)
-            self.runner_facts[r.name] = (list(r.labels), r.group_id)
-
-    def __enter__(self) -> Recorder:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._task is not None
-        if self._task.done():  # the sampler must not have died: its data would be incomplete
-            self._task.result()
-        self._task.cancel()
 
 
 async def pool_counts(stack: Stack) -> tuple[int, int, int]:
