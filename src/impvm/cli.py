@@ -114,6 +114,13 @@ def agent(
     qemu_accelerator: Annotated[
         str, typer.Option(help="qemu runtime: auto (probe KVM, else TCG), kvm or tcg.")
     ] = "auto",
+    cosign: Annotated[
+        str,
+        typer.Option(
+            envvar="IMPVM_COSIGN",
+            help="cosign binary that verifies image signatures (templates with spec.verify).",
+        ),
+    ] = "cosign",
 ) -> None:
     """Run the node agent: claim ImpVMs for this node and run them."""
     import os
@@ -133,6 +140,7 @@ def agent(
         lease_namespace,
         qemu_kernel,
         qemu_accelerator,
+        cosign,
     )
 
 

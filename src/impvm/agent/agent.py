@@ -35,6 +35,7 @@ from lightkube.types import PatchType
 
 from impvm.agent.capacity import Resources, fits, total
 from impvm.agent.runtime import ImageError, Runtime, RuntimeError_, Secret, VMRequest, VMState
+from impvm.agent.signing import SignatureError, image_verified_status
 from impvm.api.durations import resolve_expire_after
 from impvm.api.models import (
     AGENT_FINALIZER,
@@ -325,6 +326,9 @@ class Agent:
             await self._patch_status(key, {"phase": "Scheduled", "nodeName": self.config.node_name})
         try:
             await self.runtime.prepare(req)
+        except SignatureError as e:
+            await self._fail(key, vm, req, e.reason, str(e), image_verified_status(req, e))
+            return True
         except ImageError as e:
             await self._fail(key, vm, req, "ImagePullFailed", str(e))
             return True
@@ -340,7 +344,10 @@ class Agent:
         except RuntimeError_ as e:
             await self._fail(key, vm, req, "StartFailed", str(e))
             return True
-        await self._patch_status(key, {"phase": "Starting", "startedAt": k8s_time(started)})
+        await self._patch_status(
+            key,
+            {"phase": "Starting", "startedAt": k8s_time(started), **image_verified_status(req)},
+        )
         await self._event(key, None, "Started", f"runtime {self.runtime.name} started the VM")
         return True
 
@@ -405,7 +412,13 @@ class Agent:
         await self._cleanup(req)
 
     async def _fail(
-        self, key: tuple[str, str], vm: ImpVM, req: VMRequest, reason: str, message: str
+        self,
+        key: tuple[str, str],
+        vm: ImpVM,
+        req: VMRequest,
+        reason: str,
+        message: str,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         await self._patch_status(
             key,
@@ -414,6 +427,7 @@ class Agent:
                 "exitReason": reason,
                 "finishedAt": k8s_time(utcnow()),
                 "message": message[-2000:],
+                **(extra or {}),
             },
         )
         await self._event(key, None, reason, message[-500:], warning=True)
@@ -463,6 +477,7 @@ class Agent:
             memory_mib=cls.memory_mib if cls else 512,
             disk_gib=cls.disk_gib if cls else 1,
             workdir=self.config.workdir / "vms" / vm_id,
+            verify_public_key=vm.spec.verify.public_key if vm.spec.verify else None,
         )
 
     async def _class_resources(self, name: str) -> Resources | None:

@@ -42,12 +42,14 @@ def make_runtime(
     ro_binds: list[Path],
     qemu_kernel: Path | None = None,
     qemu_accelerator: str = "auto",
+    cosign: str = "cosign",
 ) -> Runtime:
     """The runtime called ``name``: ``process`` (bubblewrap) or ``qemu`` (a VM per job; finds the
     kernel, builds the guest initramfs and probes the accelerator with real boots, which takes
     seconds). ``qemu_accelerator``: ``auto``, ``kvm`` or ``tcg``. Raises ``ValueError`` for an
-    unknown or unavailable runtime (the message says why)."""
-    store = ImageStore(workdir / "images", image_cache_bytes, insecure_registries)
+    unknown or unavailable runtime (the message says why). ``cosign``: the binary verifying
+    signed images (run only for VMs whose spec has ``verify``)."""
+    store = ImageStore(workdir / "images", image_cache_bytes, insecure_registries, cosign)
     if name == "process":
         return ProcessRuntime(store, extra_ro_binds=ro_binds)
     if name == "qemu":
@@ -98,6 +100,7 @@ def main(
     lease_namespace: str,
     qemu_kernel: Path | None = None,
     qemu_accelerator: str = "auto",
+    cosign: str = "cosign",
 ) -> None:
     """Blocking entry point of the CLI."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -110,6 +113,7 @@ def main(
         ro_binds,
         qemu_kernel,
         qemu_accelerator,
+        cosign,
     )
     config = AgentConfig(
         node_name=node_name,

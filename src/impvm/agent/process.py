@@ -201,6 +201,7 @@ class ProcessRuntime:
             req.runner_layer,
             allow_unpinned=req.allow_unpinned_images,
             auth_file=self.auth_file,
+            public_key=req.verify_public_key,
         )
 
     def _bwrap_args(self, req: VMRequest, prepared: PreparedImage, status_fd: int) -> list[str]:

@@ -191,6 +191,7 @@ class QemuRuntime:
             req.runner_layer,
             allow_unpinned=req.allow_unpinned_images,
             auth_file=self.auth_file,
+            public_key=req.verify_public_key,
         )
         await self.image_disk(prepared)
         self._prepared[req.vm_id] = prepared

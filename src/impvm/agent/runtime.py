@@ -46,6 +46,8 @@ class VMRequest:
     ``vm_id`` is stable and unique per ImpVM (``<namespace>.<name>.<uid prefix>``); the runtime
     keeps all per-VM state under ``workdir`` (private to this VM, mode 0700, removed by
     :meth:`Runtime.cleanup`). Sizes: ``memory_mib`` in MiB, ``disk_gib`` in GiB.
+    ``verify_public_key``: PEM public key whose sigstore signatures the image and runner layer
+    must carry (``ImpVM.spec.verify.publicKey``); None: no signature requirement.
     """
 
     vm_id: str
@@ -58,6 +60,7 @@ class VMRequest:
     memory_mib: int
     disk_gib: int
     workdir: Path
+    verify_public_key: str | None = None
 
 
 VMStatus = Literal["starting", "running", "exited", "missing"]
