@@ -74,6 +74,7 @@ from impvm.github.errors import (
 from impvm.operator import conditions as cond
 from impvm.operator.context import OperatorContext, PoolKey
 from impvm.operator.demand import poll_jobs
+from impvm.operator.verify import VerifyKeyError, read_verify_key
 from impvm.scaling import (
     PoolLimits,
     PoolSnapshot,
@@ -124,6 +125,8 @@ class Observed:
     raw: dict[str, Any]
     template: ImpVMTemplate | None = None
     vm_class: ImpVMClass | None = None
+    #: PEM public key new VMs must be verified with (template spec.verify), None: no signatures
+    verify_public_key: str | None = None
     vms: list[dict[str, Any]] = field(default_factory=list)
     secrets: set[str] = field(default_factory=set)
     runners: list[Runner] | None = None
@@ -221,6 +224,14 @@ class PoolReconciler:
             conditions.set("Ready", False, "TemplateMissing", msg)
             return False
         obs.vm_class = ImpVMClass.model_validate(c.to_dict())
+        try:
+            obs.verify_public_key = await read_verify_key(self.ctx.kube, ns, obs.template)
+        except VerifyKeyError as e:  # no VM without its key: it would boot unverified images
+            msg = f"ImpVMTemplate {tname!r}: {e}; retrying in 30s"
+            if conditions.set("TemplateMissing", True, "VerifyKeyMissing", msg):
+                await self._event(obs, "TemplateMissing", msg, warning=True)
+            conditions.set("Ready", False, "TemplateMissing", msg)
+            return False
         conditions.set("TemplateMissing", False, "Found", f"template {tname} and class {cname}")
         return True
 
@@ -572,7 +583,8 @@ class PoolReconciler:
 
     async def _create_vm(self, obs: Observed) -> dict[str, Any]:
         """Create one ImpVM from the template (seed 000 step 2): ephemeral, labelled, owned by
-        the pool; class and image copied; runnerLayer from the pool, else the template."""
+        the pool; class and image copied; runnerLayer from the pool, else the template; the
+        template's signing key (read by :func:`read_verify_key`) as ``spec.verify.publicKey``."""
         assert obs.template is not None
         meta = obs.raw["metadata"]
         t = obs.template.spec
@@ -591,6 +603,8 @@ class PoolReconciler:
         expire = pool.expire_after or t.expire_after
         if expire:
             spec["expireAfter"] = expire
+        if obs.verify_public_key:
+            spec["verify"] = {"publicKey": obs.verify_public_key}
         body = {
             "apiVersion": API_VERSION,
             "kind": "ImpVM",
