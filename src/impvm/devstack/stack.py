@@ -142,6 +142,9 @@ class StackConfig:
     webhook_drop_rate: float = 0.0
     #: start one agent (node-1); without it VMs are created but never run (benchmarks)
     start_agent: bool = True
+    #: cosign binary the agent verifies signed images with (None: ``cosign`` on PATH), e.g.
+    #: :func:`impvm.devstack.signing.cosign_binary`
+    cosign: Path | None = None
 
 
 @dataclass
@@ -386,6 +389,8 @@ class Stack:
         ]
         for p in host_python_binds():
             args += ["--bind-ro", str(p)]
+        if self.config.cosign is not None:
+            args += ["--cosign", str(self.config.cosign)]
         self._spawn(f"agent-{node}", args, "agent")
 
     def start_operator(self) -> None:
