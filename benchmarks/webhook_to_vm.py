@@ -1,4 +1,4 @@
-"""Benchmark (issue 6): time from a workflow_job ``queued`` webhook delivery to the ImpVM and its
+"""Benchmark: time from a workflow_job ``queued`` webhook delivery to the ImpVM and its
 JIT Secret existing, with 1 and with 20 pools, on the embedded stack (real control plane, operator
 process, GitHub stand-in).
 
@@ -31,7 +31,7 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Secret
 
 from impvm.api.resources import ImpVMResource
-from impvm.devstack.stack import NAMESPACE, ORG, REPO, Stack, StackConfig
+from impvm.devstack.stack import NAMESPACE, ORG, REPO, Stack, StackConfig, wait_for
 
 
 def payload(job_id: int, labels: list[str]) -> bytes:
@@ -71,7 +71,11 @@ async def measure(pools: int, samples: int) -> tuple[list[float], list[float]]:
         names = [f"bench-{i}" for i in range(pools)]
         for n in names:
             await s.add_pool(n, [n], min_idle=0, max_concurrent=samples + 1, scale_up_step=10)
-        await asyncio.sleep(5)  # let every pool pass once
+
+        async def all_passed() -> bool:  # each pool registered its webhook secret
+            return all(["observedGeneration" in await s.pool_status(n) for n in names])
+
+        await wait_for("every pool's first pass", all_passed, 300, s)
         url = f"http://127.0.0.1:{s.operator_http_port}/webhooks/github"
         latencies: list[float] = []
         async with httpx.AsyncClient() as http:

@@ -8,9 +8,12 @@ cd "$(dirname "$0")/.."
 log() { echo "setup: $*" >&2; }
 
 # Debian packages the runtimes and tests use: bubblewrap (process runtime sandbox), skopeo +
-# umoci (pull and unpack OCI images), docker-registry (loopback registry), busybox-static (test
-# images).
-DEB_PACKAGES=(bubblewrap skopeo umoci docker-registry busybox-static qemu-system-x86 linux-image-amd64 linux-image-cloud-amd64 e2fsprogs)
+# umoci (pull, unpack and assemble OCI images), docker-registry (loopback registry),
+# busybox-static (test images, guest initramfs), nftables + iproute2 + util-linux's nsenter (each
+# VM's own network and its egress policy), dnsmasq-base (the network tests' resolver in their
+# "internet" namespace), mmdebstrap (the images' Debian roots), podman + runc (run the built images
+# in the tests).
+DEB_PACKAGES=(bubblewrap skopeo umoci docker-registry busybox-static qemu-system-x86 linux-image-amd64 linux-image-cloud-amd64 e2fsprogs nftables iproute2 util-linux dnsmasq-base mmdebstrap podman runc)
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -47,6 +50,10 @@ if ! IMPVM_COSIGN_CHECK_ONLY=1 bash src/impvm/devstack/assets/build-cosign.sh >/
   log "cosign (built once, cached)"
   bash src/impvm/devstack/assets/build-cosign.sh >/dev/null
 fi
+
+log "helm and the ServiceMonitor CRD for the chart tests (built once from Go modules, cached)"
+bash scripts/build-helm.sh >/dev/null
+bash scripts/build-servicemonitor-crd.sh >/dev/null
 
 if [[ -z "${KUBEBUILDER_ASSETS:-}" ]]; then
   log "control plane binaries (built once, cached)"

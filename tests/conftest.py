@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from lightkube import Client
+from hypothesis import settings
+from lightkube import AsyncClient, Client
+from lightkube.config.kubeconfig import KubeConfig
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace
 
@@ -16,6 +18,14 @@ from impvm.devstack.controlplane import ControlPlane
 from impvm.devstack.kube import admin_client, install_crds
 
 REPO = Path(__file__).resolve().parent.parent
+
+#: registry, test images, image store and the qemu runtime, shared by every runtime test
+pytest_plugins = ["tests.runtime_fixtures"]
+
+# Hypothesis' per-example deadline is a timed assert: on a loaded 2-core machine it fails tests
+# whose logic is fine. Speed is measured in benchmarks/, never here.
+settings.register_profile("impvm", deadline=None)
+settings.load_profile("impvm")
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +44,16 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
 def kube(control_plane: ControlPlane) -> Client:
     """Admin client (system:masters) of the test control plane."""
     return admin_client(control_plane.kubeconfig)
+
+
+@pytest.fixture
+async def akube(control_plane: ControlPlane) -> AsyncIterator[AsyncClient]:
+    """Async admin client of the test control plane."""
+    client = AsyncClient(
+        config=KubeConfig.from_file(str(control_plane.kubeconfig)), field_manager="impvm-test"
+    )
+    yield client
+    await client.close()
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from impvm.api.resources import (
     ImpVMTemplateResource,
 )
 from impvm.devstack.controlplane import ControlPlane
+from impvm.devstack.stack import example_scaling, pool_manifest
 from impvm.scaling.warmpool import WarmPoolPolicy, WarmPoolState
 from tests.conftest import REPO
 
@@ -47,30 +48,7 @@ def kubectl(
 
 
 def base_pool(namespace: str, name: str = "p") -> dict[str, Any]:
-    return {
-        "apiVersion": "imp.dev/v1alpha1",
-        "kind": "ImpVMRunnerPool",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "templateName": "gh-runner",
-            "labels": ["imp"],
-            "platform": {
-                "type": "github-actions",
-                "scope": {"org": "my-org"},
-                "runnerGroup": "omni-runner",
-                "credentialsSecret": "github-runner-app",
-                "tokenSource": "github_app",
-            },
-            "scaling": {
-                "mode": "polling",
-                "minIdle": 1,
-                "maxConcurrent": 5,
-                "scaleUpStep": 1,
-                "cooldownSeconds": 30,
-                "polling": {"enabled": True, "intervalSeconds": 30},
-            },
-        },
-    }
+    return pool_manifest(name, namespace, example_scaling())
 
 
 def rejected(kube: Client, resource: Any, obj: dict[str, Any]) -> str:
@@ -98,7 +76,7 @@ def test_seed_minimal_example_applies_verbatim(control_plane: ControlPlane, kube
     table = kubectl(control_plane, "get", "imprp", "-n", "default")
     assert table.returncode == 0, table.stderr
     header = table.stdout.splitlines()[0].split()
-    assert header == ["NAME", "PLATFORM", "TEMPLATE", "IDLE", "BUSY", "DESIRED", "AGE"]
+    assert header == ["NAME", "PLATFORM", "TEMPLATE", "IDLE", "BUSY", "DESIRED", "READY", "AGE"]
     assert "ci-pool" in table.stdout and "github-actions" in table.stdout
     cat = kubectl(control_plane, "get", "imp", "-n", "default", "-o", "name")
     assert "impvmrunnerpool.imp.dev/ci-pool" in cat.stdout, cat.stdout + cat.stderr
@@ -559,3 +537,35 @@ def test_pool_without_warm_pool_stays_fixed(kube: Client, namespace: str) -> Non
     assert got.spec.scaling is not None and got.spec.scaling.warm_pool is None
     policy = WarmPoolPolicy.from_spec(got.spec.scaling)
     assert (policy.mode, policy.min_idle, policy.max_idle) == ("fixed", 1, 1)
+
+
+def test_pool_names_are_capped_at_the_label_limit(kube: Client, namespace: str) -> None:
+    """A pool's name is the value of the imp.dev/runner-pool label on its VMs: at most 63."""
+    msg = rejected(kube, ImpVMRunnerPoolResource, base_pool(namespace, "p" * 64))
+    assert "metadata.name" in msg and "63" in msg, msg
+    kube.create(ImpVMRunnerPoolResource.from_dict(base_pool(namespace, "p" * 63)))
+
+
+@pytest.mark.controlplane
+def test_ready_column_shows_a_broken_pool(
+    control_plane: ControlPlane, kube: Client, namespace: str
+) -> None:
+    kube.create(ImpVMRunnerPoolResource.from_dict(base_pool(namespace, "broken")))
+    ready = {
+        "type": "Ready",
+        "status": "False",
+        "reason": "CredentialsError",
+        "message": "credentials Secret 'github-runner-app' not found",
+        "lastTransitionTime": "2026-01-01T00:00:00Z",
+    }
+    kube.patch(
+        ImpVMRunnerPoolResource.Status,
+        "broken",
+        {"status": {"idle": 0, "busy": 0, "desired": 1, "conditions": [ready]}},
+        namespace=namespace,
+        patch_type=PatchType.MERGE,
+    )
+    table = kubectl(control_plane, "get", "imprp", "-n", namespace)
+    assert table.returncode == 0, table.stderr
+    header, row = (line.split() for line in table.stdout.splitlines()[:2])
+    assert dict(zip(header, row, strict=False))["READY"] == "False", table.stdout

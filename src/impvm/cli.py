@@ -1,4 +1,4 @@
-"""The ``impvm`` command (DESIGN.md, fixed interfaces: CLI)."""
+"""The ``impvm`` command (docs/architecture.md, fixed interfaces: CLI)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from impvm import __version__
+from impvm.images.cli import images_app
 from impvm.sim.cli import simulate_app
 
 app = typer.Typer(
@@ -18,16 +19,14 @@ app = typer.Typer(
     add_completion=False,
     # rich tracebacks print local variables, which may hold credentials: plain tracebacks only
     pretty_exceptions_enable=False,
+    # click's plain help: typer's rich help shows every flag as taking a value (`--version
+    # <bool>`)
+    rich_markup_mode=None,
 )
-dev_app = typer.Typer(help="The embedded local stack.", no_args_is_help=True)
+dev_app = typer.Typer(help="The embedded local stack.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(dev_app, name="dev")
 app.add_typer(simulate_app, name="simulate")
-
-
-def _not_available(what: str, issue: str) -> None:
-    """Exit 2 with a clear message for a subcommand a later issue delivers (no fake behaviour)."""
-    typer.echo(f"impvm {what}: not available yet ({issue}).", err=True)
-    raise typer.Exit(code=2)
+app.add_typer(images_app, name="images")
 
 
 def _version_callback(value: bool) -> None:
@@ -58,7 +57,12 @@ def crds() -> None:
 def operator(
     namespace: Annotated[
         list[str] | None,
-        typer.Option("--namespace", "-n", help="Watch only these namespaces (default: all)."),
+        typer.Option(
+            "--namespace",
+            "-n",
+            metavar="NAMESPACE",
+            help="Watch only this namespace; repeat for more (default: all).",
+        ),
     ] = None,
     http_host: Annotated[str, typer.Option(help="Address of /healthz, /metrics, webhooks.")] = (
         "0.0.0.0"  # noqa: S104 - a cluster service listens on all interfaces
@@ -71,6 +75,14 @@ def operator(
     node_lost_grace_seconds: Annotated[
         float, typer.Option(help="Seconds past an agent Lease's expiry before its VMs are lost.")
     ] = 60.0,
+    webhook_safety_poll_seconds: Annotated[
+        float,
+        typer.Option(
+            min=5.0,
+            help="Seconds between the polls of GitHub that webhook-mode pools make in case "
+            "deliveries were lost.",
+        ),
+    ] = 300.0,
 ) -> None:
     """Run the operator (pool controller, webhook receiver, reaper). Kubernetes credentials:
     KUBECONFIG or in-cluster."""
@@ -78,7 +90,9 @@ def operator(
     from impvm.operator.main import main as operator_main
 
     settings = OperatorSettings(
-        github_api_url=github_api_url, node_lost_grace_seconds=node_lost_grace_seconds
+        github_api_url=github_api_url,
+        node_lost_grace_seconds=node_lost_grace_seconds,
+        webhook_safety_poll_seconds=webhook_safety_poll_seconds,
     )
     operator_main(namespace or [], http_host, http_port, settings)
 
@@ -114,6 +128,26 @@ def agent(
     qemu_accelerator: Annotated[
         str, typer.Option(help="qemu runtime: auto (probe KVM, else TCG), kvm or tcg.")
     ] = "auto",
+    guest_network: Annotated[
+        str,
+        typer.Option(
+            help="isolated: each VM its own interface, NAT and egress policy (root, nftables); "
+            "host: VMs share this host's network, no isolation (development only)."
+        ),
+    ] = "isolated",
+    guest_subnet: Annotated[
+        str, typer.Option(help="IPv4 subnet the VMs' addresses come from (/16 to /28).")
+    ] = "10.213.0.0/16",
+    guest_dns: Annotated[
+        list[str] | None,
+        typer.Option(help="Resolver for VMs, repeatable (default: the node's; 'none': none)."),
+    ] = None,
+    network_table: Annotated[
+        str, typer.Option(help="nftables table (inet family) holding the VMs' rules.")
+    ] = "impvm",
+    network_prefix: Annotated[
+        str, typer.Option(help="Name prefix of the VMs' interfaces (<prefix>-<slot>).")
+    ] = "impvm",
     cosign: Annotated[
         str,
         typer.Option(
@@ -140,6 +174,11 @@ def agent(
         lease_namespace,
         qemu_kernel,
         qemu_accelerator,
+        guest_network,
+        guest_subnet,
+        guest_dns,
+        network_table,
+        network_prefix,
         cosign,
     )
 
@@ -150,11 +189,23 @@ def github_standin(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8090,
 ) -> None:
     """Serve the GitHub stand-in (a faithful GitHub API for tests and the embedded stack)."""
-    try:
-        from impvm.devstack import standin
-    except ImportError:
-        _not_available("github-standin", "arrives with the GitHub integration issue")
+    from impvm.devstack import standin
+
     standin.serve(host=host, port=port)
+
+
+@app.command()
+def up(
+    config: Annotated[
+        Path, typer.Option("--config", "-c", help="The configuration file (impvm.yaml).")
+    ],
+) -> None:
+    """Run impvm on this machine: the embedded control plane (state in the configuration's
+    dataDir), the operator and one agent, with the configuration's GitHub App and pools.
+    Runs until SIGTERM/SIGINT; a configuration error prints one line and exits 2."""
+    from impvm.up.main import run
+
+    raise typer.Exit(code=run(config))
 
 
 @dev_app.command("up")
@@ -169,8 +220,8 @@ def dev_up(
     ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds --until-done waits.")] = 900.0,
 ) -> None:
-    """Start the embedded stack: control plane + CRDs, GitHub stand-in, registry with test
-    images, operator, one agent, and the seed's minimal example; show VMs and runners live."""
+    """impvm up with a generated configuration: the GitHub stand-in, a registry with test
+    images and the seed's minimal example as the pool; show VMs and runners live."""
     from impvm.devstack.up import run
 
     raise typer.Exit(

@@ -11,8 +11,7 @@ import pytest
 from impvm.agent.images import ImageStore, parse_reference
 from impvm.agent.runtime import ImageError
 from impvm.devstack.testimages import runner_wrapper_script
-
-from .conftest import PROBE_RUN_SH, Images
+from tests.runtime_fixtures import PROBE_RUN_SH, Images
 
 
 def _writable(root: Path) -> list[str]:

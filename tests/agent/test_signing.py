@@ -26,8 +26,8 @@ from impvm.agent.signing import (
     WRONG_KEY,
     SignatureError,
     classify_refusal,
-    image_verified_status,
     key_fingerprint,
+    verification,
 )
 from impvm.agent.tools import run_tool
 from impvm.devstack.registry import LocalRegistry
@@ -39,8 +39,7 @@ from impvm.devstack.signing import (
     sign_image,
 )
 from impvm.devstack.testimages import build_runner_layer_image
-
-from .conftest import Images
+from tests.runtime_fixtures import Images
 
 _OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 _SIG_ANNOTATION = "dev.cosignproject.cosign/signature"
@@ -182,9 +181,9 @@ async def test_signed_image_and_layer_are_verified_prepared_and_boot(
     assert "signed-and-booted" in state.log_tail
     await runtime.cleanup(req)
 
-    (cond,) = image_verified_status(req)["conditions"]
-    assert (cond["type"], cond["status"], cond["reason"]) == ("ImageVerified", "True", "Verified")
-    assert base in cond["message"] and layer in cond["message"] and fingerprint in cond["message"]
+    v = verification(req)
+    assert v is not None and (v.verified, v.reason) == (True, "Verified")
+    assert base in v.message and layer in v.message and fingerprint in v.message
 
 
 # (case, reason, what cosign itself reported)
@@ -226,11 +225,9 @@ async def test_bad_signatures_are_refused_naming_the_image(
     # the same references without a signature requirement are fine: the refusal was the key's
     assert (await store.prepare(base, layer)).verified_by is None
 
-    (cond,) = image_verified_status(_request(base, layer, signed.a.public_key_pem), err)[
-        "conditions"
-    ]
-    assert (cond["status"], cond["reason"]) == ("False", reason)
-    assert bad in cond["message"]
+    v = verification(_request(base, layer, signed.a.public_key_pem), err)
+    assert v is not None and (v.verified, v.reason) == (False, reason)
+    assert bad in v.message
 
 
 def _request(
@@ -316,7 +313,7 @@ def test_refusal_reasons_follow_cosign_exit_codes() -> None:
     # not a verdict about signatures: registry down, bad flags
     assert classify_refusal(1, "dial tcp 127.0.0.1:1: connection refused") is None
     assert classify_refusal(11, "no such tag") is None
-    assert image_verified_status(_request("r@sha256:" + "1" * 64, None, None)) == {}
+    assert verification(_request("r@sha256:" + "1" * 64, None, None)) is None
 
 
 async def test_signing_keys_stay_out_of_the_cache(

@@ -247,3 +247,39 @@ async def test_lost_agent_releases_its_vms_and_pool_deletion_removes_registratio
         return not vms and not stack.runners()
 
     await wait_for("pool's VMs and registrations gone", all_gone, 90, stack)
+
+
+async def test_a_template_edit_replaces_the_idle_vm(stack: Stack) -> None:
+    """Edit the template while the runner idles: the operator (woken by the template's watch)
+    counts the VM outdated, makes a replacement from the edited template, and removes the old
+    VM once the new runner is online; the pool ends at minIdle with nothing outdated."""
+    from lightkube.types import PatchType
+
+    from impvm.api.resources import ImpVMTemplateResource
+
+    kube = stack.kube
+    assert kube is not None
+    await wait_for("one idle runner", _pool_is(stack, 1, 0, 1), 120, stack)
+    (old,) = await stack.vms()
+    assert not old["spec"].get("expireAfter")
+    await kube.patch(
+        ImpVMTemplateResource,
+        "gh-runner",
+        {"spec": {"expireAfter": "2h"}},
+        namespace=NAMESPACE,
+        patch_type=PatchType.MERGE,
+    )
+
+    async def replaced() -> bool:
+        vms = live(await stack.vms())
+        st = await stack.pool_status()
+        return (
+            [v["metadata"]["name"] for v in vms] != [old["metadata"]["name"]]
+            and len(vms) == 1
+            and vms[0]["spec"].get("expireAfter") == "2h"
+            and (st.get("idle"), st.get("outdated")) == (1, 0)
+        )
+
+    await wait_for("the idle VM replaced from the edited template", replaced, 180, stack)
+    log_text = (stack.config.workdir / "operator.log").read_text()
+    assert "pass failed" not in log_text

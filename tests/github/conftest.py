@@ -4,62 +4,46 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import gh_support as gs
 import pytest
-from gh_support import (
-    ALL_PERMISSIONS,
-    APP_ID,
-    INSTALLATION_ID,
-    ORG,
-    REPO,
-    Clock,
-    RecordingSleep,
-    make_key,
-)
 from pydantic import SecretStr
 
 from impvm.devstack.standin import StandIn
 from impvm.github import AppCredentials, GitHubClient, RetryPolicy
+from tests.support import standin_fixture
 
 
 @pytest.fixture(scope="session")
 def private_key() -> str:
-    return make_key()
+    return gs.make_key()
 
 
 @pytest.fixture(scope="session")
 def other_key() -> str:
-    return make_key()
+    return gs.make_key()
+
+
+standin = standin_fixture(gs.APP_ID, gs.INSTALLATION_ID, gs.ORG, gs.ALL_PERMISSIONS, [gs.REPO])
 
 
 @pytest.fixture
-async def standin(private_key: str) -> AsyncIterator[StandIn]:
-    s = StandIn()
-    await s.start()
-    s.state.add_app(APP_ID, private_key)
-    s.state.add_installation(INSTALLATION_ID, APP_ID, ORG, ALL_PERMISSIONS)
-    s.state.add_repo(REPO)
-    yield s
-    await s.stop()
+def sleep() -> gs.RecordingSleep:
+    return gs.RecordingSleep()
 
 
 @pytest.fixture
-def sleep() -> RecordingSleep:
-    return RecordingSleep()
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> gs.Clock:
+    return gs.Clock()
 
 
 @pytest.fixture
 def credentials(private_key: str) -> AppCredentials:
-    return AppCredentials(APP_ID, INSTALLATION_ID, SecretStr(private_key))
+    return AppCredentials(gs.APP_ID, gs.INSTALLATION_ID, SecretStr(private_key))
 
 
 @pytest.fixture
 async def client(
-    standin: StandIn, credentials: AppCredentials, sleep: RecordingSleep, clock: Clock
+    standin: StandIn, credentials: AppCredentials, sleep: gs.RecordingSleep, clock: gs.Clock
 ) -> AsyncIterator[GitHubClient]:
     c = GitHubClient(
         credentials,

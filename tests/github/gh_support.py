@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 
+from impvm.devstack.stack import make_private_key
 from impvm.devstack.standin import StandIn
 
 APP_ID = 4242
@@ -27,12 +26,8 @@ NPM_ROOT = Path(__file__).resolve().parents[2] / "tools" / "npm" / "node_modules
 
 
 def make_key() -> str:
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    ).decode()
+    """An App key in PKCS#8 form (the stand-in and the client also take PKCS#1)."""
+    return make_private_key(pkcs8=True)
 
 
 class RecordingSleep:

@@ -309,3 +309,36 @@ async def test_a_runner_that_goes_silent_mid_job_goes_offline_and_its_job_fails(
         assert (job.status, job.conclusion) == ("completed", "failure")
     finally:
         await s.stop()
+
+
+async def test_runner_names_longer_than_64_are_refused(client: GitHubClient) -> None:
+    """GitHub caps runner names at 64 characters and answers 422 to a longer JIT request."""
+    from impvm.github.errors import RequestRejected
+
+    ok = await client.generate_jitconfig(Scope(org=ORG), "n" * 64, 1, ["linux"])
+    assert ok.runner_name == "n" * 64
+    with pytest.raises(RequestRejected) as info:
+        await client.generate_jitconfig(Scope(org=ORG), "n" * 65, 1, ["linux"])
+    assert info.value.status == 422 and "64" in str(info.value)
+
+
+async def test_no_job_for_a_runner_deleted_during_its_long_poll(
+    standin: StandIn, client: GitHubClient
+) -> None:
+    """A runner deregistered while it waits for a job is handed none (GitHub does not): a
+    scale-down racing a job must not pass because the stand-in is kinder than GitHub."""
+    from impvm.devstack.standin_runner import decode_jitconfig
+
+    scope = Scope(org=ORG)
+    jit = await client.generate_jitconfig(scope, "doomed", 1, ["imp"])
+    settings, token = decode_jitconfig(jit.encoded_jit_config.get_secret_value())
+    base = str(settings["serverUrl"]).rstrip("/")
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as http:
+        (await http.post(f"{base}/session")).raise_for_status()
+        waiting = asyncio.create_task(http.post(f"{base}/acquire", json={"wait": 3}))
+        await asyncio.sleep(0.3)
+        assert (await client.delete_runner(scope, jit.runner_id)).value == "deleted"
+        job = standin.state.queue_job(REPO, ["self-hosted", "imp"])
+        got = await waiting
+    assert got.status_code == 404
+    assert job.status == "queued" and job.runner_id is None

@@ -14,12 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 from lightkube import AsyncClient
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ApiError
-from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Secret
 from lightkube.types import PatchType
 
@@ -38,12 +35,17 @@ from impvm.devstack.stack import (
     ORG,
     REPO,
     RUNNER_GROUP,
+    app_secret,
+    example_scaling,
+    make_private_key,
+    pool_manifest,
 )
 from impvm.devstack.standin import StandIn
 from impvm.devstack.standin_runner import decode_jitconfig
 from impvm.github import RetryPolicy
 from impvm.operator.context import OperatorContext, OperatorSettings
 from impvm.operator.pool import PoolReconciler
+from tests.support import standin_fixture
 
 POOL = "ci-pool"
 TEMPLATE = "gh-runner"
@@ -120,52 +122,15 @@ class PoolEnv:
         )
 
     async def create_credentials(self, **override: str | None) -> None:
-        data: dict[str, str | None] = {
-            "github_app_id": str(APP_ID),
-            "github_app_installation_id": str(INSTALLATION_ID),
-            "github_app_private_key": self.private_key,
-            **override,
-        }
         await self.kube.create(
-            Secret(
-                metadata=ObjectMeta(name=CREDENTIALS_SECRET, namespace=self.ns),
-                type="Opaque",
-                data={
-                    k: base64.b64encode(v.encode()).decode()
-                    for k, v in data.items()
-                    if v is not None
-                },
+            app_secret(
+                CREDENTIALS_SECRET, self.ns, APP_ID, INSTALLATION_ID, self.private_key, **override
             )
         )
 
-    async def create_pool(self, **scaling: Any) -> dict[str, Any]:
-        """The seed's minimal example pool (seed 001) with ``scaling`` fields overridden."""
-        spec_scaling: dict[str, Any] = {
-            "mode": "polling",
-            "minIdle": 1,
-            "maxConcurrent": 5,
-            "scaleUpStep": 1,
-            "cooldownSeconds": 30,
-            "polling": {"enabled": True, "intervalSeconds": 30},
-            **scaling,
-        }
-        body = {
-            "apiVersion": "imp.dev/v1alpha1",
-            "kind": "ImpVMRunnerPool",
-            "metadata": {"name": POOL, "namespace": self.ns},
-            "spec": {
-                "templateName": TEMPLATE,
-                "labels": ["imp"],
-                "platform": {
-                    "type": "github-actions",
-                    "scope": {"org": ORG},
-                    "runnerGroup": RUNNER_GROUP,
-                    "credentialsSecret": CREDENTIALS_SECRET,
-                    "tokenSource": "github_app",
-                },
-                "scaling": spec_scaling,
-            },
-        }
+    async def create_pool(self, name: str = POOL, **scaling: Any) -> dict[str, Any]:
+        """The minimal example pool (named ``name``) with ``scaling`` fields overridden."""
+        body = pool_manifest(name, self.ns, {**example_scaling(), **scaling}, template=TEMPLATE)
         out: dict[str, Any] = (
             await self.kube.create(ImpVMRunnerPoolResource.from_dict(body))
         ).to_dict()
@@ -201,6 +166,11 @@ class PoolEnv:
     async def run_pass(self, ctx: OperatorContext | None = None) -> float | None:
         """One reconcile pass; returns its requeue delay."""
         return await self.finish_pass(self.start_pass(ctx))
+
+    async def pass_after(self, seconds: float, ctx: OperatorContext | None = None) -> None:
+        """Move the operator's clock by ``seconds``, then run one pass."""
+        self.clock.advance(seconds)
+        await self.run_pass(ctx)
 
     async def collect(self) -> None:
         """Read the Events recorded so far; remember every secret the stand-in holds now."""
@@ -290,8 +260,9 @@ class PoolEnv:
     async def assert_no_secrets(
         self, caplog: pytest.LogCaptureFixture, expect_tokens: bool = True
     ) -> None:
-        """DESIGN.md "Where secrets may be": no private key line, installation token, JIT
-        config or runner session token in any condition, Event, log record or ImpVM."""
+        """docs/architecture.md, "Where secrets may be": no private key line, installation
+        token, JIT config or runner session token in any condition, Event, log record or
+        ImpVM."""
         await self.collect()
         st = self.standin.state
         secrets = dict.fromkeys(st.tokens, "installation token")
@@ -314,28 +285,12 @@ class PoolEnv:
 
 @pytest.fixture(scope="session")
 def private_key() -> str:
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.TraditionalOpenSSL,
-        serialization.NoEncryption(),
-    ).decode()
+    return make_private_key()  # PKCS#1, as the embedded stack writes it
 
 
-@pytest.fixture
-async def standin(private_key: str) -> AsyncIterator[StandIn]:
-    s = StandIn()
-    await s.start()
-    st = s.state
-    st.add_app(APP_ID, private_key)
-    st.add_org(ORG)
-    st.add_repo(REPO)
-    st.add_runner_group(ORG, RUNNER_GROUP)
-    st.add_installation(INSTALLATION_ID, APP_ID, ORG, INSTALLATION_PERMISSIONS)
-    try:
-        yield s
-    finally:
-        await s.stop()
+standin = standin_fixture(
+    APP_ID, INSTALLATION_ID, ORG, INSTALLATION_PERMISSIONS, [REPO], [RUNNER_GROUP]
+)
 
 
 def operator_context(kube: AsyncClient, standin: StandIn, clock: FakeClock) -> OperatorContext:

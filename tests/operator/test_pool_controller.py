@@ -329,10 +329,16 @@ async def test_installation_unavailable_is_reported(
 
 
 @pytest.mark.parametrize(
-    ("override", "reason", "needle"),
+    ("override", "reason", "needle", "event"),
     [
-        ({"github_app_private_key": None}, "CredentialsError", "github_app_private_key"),
-        ({"github_app_id": "999"}, "BadCredentials", "401"),
+        # a Secret lacking a key is a local credentials problem, not a GitHub error
+        (
+            {"github_app_private_key": None},
+            "CredentialsError",
+            "github_app_private_key",
+            "CredentialsInvalid",
+        ),
+        ({"github_app_id": "999"}, "BadCredentials", "401", "GitHubError"),
     ],
     ids=["key-missing", "wrong-app"],
 )
@@ -342,6 +348,7 @@ async def test_invalid_credentials_are_reported(
     override: dict[str, str | None],
     reason: str,
     needle: str,
+    event: str,
 ) -> None:
     await env.create_class_and_template()
     await env.create_credentials(**override)
@@ -352,7 +359,8 @@ async def test_invalid_credentials_are_reported(
     assert (c["status"], c["reason"]) == ("True", reason)
     assert needle in c["message"]
     assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("False", reason)
-    assert env.events_with("GitHubError")
+    (ev,) = env.events_with(event)
+    assert ev.type == "Warning" and needle in ev.message
     assert await env.vms() == []
     await env.assert_no_secrets(caplog, expect_tokens=False)
 

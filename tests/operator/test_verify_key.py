@@ -13,6 +13,7 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Secret
 from lightkube.types import PatchType
 
+from impvm.api.models import TEMPLATE_HASH_ANNOTATION as HASH
 from tests.operator.conftest import PoolEnv
 
 pytestmark = [pytest.mark.controlplane]
@@ -86,12 +87,18 @@ async def test_public_key_is_copied_onto_each_vm_and_no_vm_without_it(
     (vm,) = await env.vms()
     assert vm["spec"]["verify"] == {"publicKey": first}
 
-    # a rotated key reaches the VMs created from then on; a VM keeps the key it was made with
+    # a rotated key reaches the VMs created from then on, and the key's fingerprint is part of
+    # the template hash: the VM made with the old key (its spec is immutable) is replaced
+    name = vm["metadata"]["name"]
     second = public_key_pem()
     await put_key_secret(env, {"cosign.pub": second})
-    await env.patch_scaling(minIdle=2)
     await env.run_pass()
-    keys = {v["metadata"]["name"]: v["spec"]["verify"]["publicKey"] for v in await env.vms()}
-    assert keys.pop(vm["metadata"]["name"]) == first
-    assert list(keys.values()) == [second]
+    vms = {v["metadata"]["name"]: v for v in await env.vms()}
+    old = vms.pop(name, None)
+    assert old is None or old["metadata"].get("deletionTimestamp"), old
+    assert [v["spec"]["verify"]["publicKey"] for v in vms.values()] == [second]
+    (new,) = vms.values()
+    assert new["metadata"]["annotations"][HASH] != vm["metadata"]["annotations"][HASH]
+    (gone,) = [e for e in env.events_with("VMDeleted") if name in e.message]
+    assert "older template" in gone.message
     await env.assert_no_secrets(caplog)

@@ -1,7 +1,7 @@
 """The end-to-end pool test (tests/e2e) with the ``qemu`` runtime: every job runs in a real booted
-VM. The guest reaches the GitHub stand-in on the host's loopback as 10.0.2.2 (user-mode
-networking), so the stack gives the stand-in's runner URL (the JIT config's ``serverUrl``) that
-address."""
+VM. As root (here, and in CI) each VM has its own tap device behind the agent's egress policy and
+reaches the GitHub stand-in in its "internet" namespace through the node's NAT; otherwise the
+stack falls back to user-mode networking (the stand-in on loopback, seen as 10.0.2.2)."""
 
 from __future__ import annotations
 

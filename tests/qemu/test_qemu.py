@@ -1,195 +1,118 @@
-"""QemuRuntime: real QEMU VMs (a Debian kernel, the guest initramfs, the probed accelerator) booting
-images prepared from a real registry; the stand-in runner reaching the GitHub stand-in over the
-guest network."""
+"""What only the ``qemu`` runtime does (the shared Runtime contract is tests/runtime): real QEMU VMs
+(a Debian kernel, the guest initramfs, the probed accelerator) booting images prepared from a real
+registry - the guest's kernel and firmware, the shared image disk that no VM writes, the JIT
+config on no host file, image disks that go with their cache entry, and the stand-in runner
+reaching the GitHub stand-in over the guest network."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import os
 import secrets
 from pathlib import Path
 
 from impvm.agent.images import ImageStore
 from impvm.agent.qemu import QemuRuntime
-from impvm.agent.runtime import Runtime, Secret, VMRequest, VMState
+from impvm.agent.runtime import Secret, VMRequest
 from impvm.devstack.standin import StandIn
 from impvm.devstack.standin.state import RunnerRec
-
-from .conftest import Images
+from tests.runtime_fixtures import (
+    Images,
+    files_containing,
+    procs_with,
+    tail_values,
+    vm_request,
+    wait_for,
+)
 
 
 def _req(tmp_path: Path, name: str, image: str, layer: str | None, disk_gib: int = 1) -> VMRequest:
-    return VMRequest(
-        vm_id=f"test.{name}.0000",
-        name=name,
-        namespace="test",
-        image=image,
-        runner_layer=layer,
-        allow_unpinned_images=False,
-        vcpu=1,
-        memory_mib=512,
-        disk_gib=disk_gib,
-        workdir=tmp_path / "vms" / name,
-    )
+    return vm_request(tmp_path, name, image, layer, memory_mib=512, disk_gib=disk_gib)
 
 
-async def _wait_for(
-    rt: QemuRuntime, req: VMRequest, pred: str | None = None, seconds: float = 180
-) -> VMState:
-    """Poll until the VM exited (pred None) or its log tail contains ``pred``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while True:
-        state = await rt.inspect(req)
-        if (pred is None and state.status == "exited") or (pred and pred in state.log_tail):
-            return state
-        if state.status == "exited" or loop.time() > deadline:
-            raise AssertionError(f"timed out or exited early; last state {state}")
-        await asyncio.sleep(0.2)
-
-
-def _lines(tail: str) -> dict[str, str]:
-    return dict(
-        line.split("=", 1)
-        for line in tail.splitlines()
-        if "=" in line and " " not in line.split("=", 1)[0]
-    )
-
-
-async def test_boots_a_vm_reports_kernel_and_exit_code(
-    tmp_path: Path, qemu_images: Images, qemu_runtime: QemuRuntime
+async def test_boots_its_kernel_and_never_writes_the_shared_image_disk(
+    tmp_path: Path, images: Images, qemu_runtime: QemuRuntime
 ) -> None:
+    """The guest reports its kernel, scratch disk and firmware; what it writes to ``/`` stays in
+    its own scratch (tests/runtime checks that no other VM sees it): the image disk every VM of
+    that image boots from is read-only and unchanged."""
     rt = qemu_runtime
-    assert isinstance(rt, Runtime) and rt.name == "qemu"
     assert rt.accel.accel in ("kvm", "tcg") and rt.accel.reason
-    req = _req(tmp_path, "probe", qemu_images.base, qemu_images.probe, disk_gib=3)
-    assert (await rt.inspect(req)).status == "missing"
+    req = _req(tmp_path, "probe", images.base, images.probe, disk_gib=3)
     await rt.prepare(req)
+    disk = await rt.image_disk(rt._prepared[req.vm_id])
+    before = hashlib.sha256(disk.read_bytes()).hexdigest()
     await rt.start(req, Secret("jit-" + secrets.token_hex(8)))
-    state = await _wait_for(rt, req)
+    state = await wait_for(rt, req)
     assert state.status == "exited" and state.exit_code == 3, state
-    assert state.started_at and state.finished_at and state.finished_at >= state.started_at
     # the guest init reports the kernel it booted and that it is a VM
     assert f"impvm-guest: kernel {rt.kernel.version} " in state.log_tail, state.log_tail
     assert "hypervisor=yes" in state.log_tail
-    out = _lines(state.log_tail)
-    assert out["uname"].startswith(f"Linux probe {rt.kernel.version} "), out  # VM name as host
-    assert out["jit-set"] == "yes" and out["imp"] == "unset" and out["allow-root"] == "1"
-    assert out["vmid"] == req.vm_id
-    assert out["before"] == "0,0,0" and out["after"] == "1,1,1"
+    out = tail_values(state.log_tail)
+    assert out["uname"].startswith(f"Linux probe {rt.kernel.version} "), out
+    assert (out["usr"], out["usr-after"]) == ("writable", "1")  # it did write to /usr
     assert 2_500_000 < int(out["disk"]) <= 3 * 1024 * 1024  # the scratch disk is diskGiB
     assert out["fwcfg"] == "0"  # the fw_cfg driver is gone once the runner runs
-    assert (req.workdir / "console.log").stat().st_mode & 0o777 == 0o600
-    await rt.cleanup(req)
-    assert not req.workdir.exists()
-    assert (await rt.inspect(req)).status == "missing"
-    await rt.cleanup(req)  # idempotent
-
-
-async def test_concurrent_vms_share_nothing_writable(
-    tmp_path: Path, qemu_images: Images, qemu_runtime: QemuRuntime, qemu_store: ImageStore
-) -> None:
-    rt = qemu_runtime
-    a, b = (_req(tmp_path, n, qemu_images.base, qemu_images.probe) for n in ("iso-a", "iso-b"))
-    await rt.prepare(a)
-    disk = await rt.image_disk(rt._prepared[a.vm_id])
-    before = hashlib.sha256(disk.read_bytes()).hexdigest()
-    await asyncio.gather(
-        rt.start(a, Secret("jit-a-" + secrets.token_hex(8))),
-        rt.start(b, Secret("jit-b-" + secrets.token_hex(8))),
-    )
-    # both run at once: each is past "runner started" before either exits
-    await asyncio.gather(_wait_for(rt, a, "runner started"), _wait_for(rt, b, "runner started"))
-    states = await asyncio.gather(_wait_for(rt, a), _wait_for(rt, b))
-    for s in states:
-        # each saw a clean /tmp, _work and /usr and, after writing, only its own files
-        assert _lines(s.log_tail)["before"] == "0,0,0", s.log_tail
-        assert _lines(s.log_tail)["after"] == "1,1,1", s.log_tail
-    # the next VM from the same image starts clean too; the shared image disk is unchanged
-    c = _req(tmp_path, "iso-c", qemu_images.base, qemu_images.probe)
-    await rt.start(c, Secret("jit-c-" + secrets.token_hex(8)))
-    assert _lines((await _wait_for(rt, c)).log_tail)["before"] == "0,0,0"
     assert hashlib.sha256(disk.read_bytes()).hexdigest() == before
     assert disk.stat().st_mode & 0o222 == 0
-    for r in (a, b, c):
-        await rt.cleanup(r)
+    await rt.cleanup(req)
 
 
-async def test_stop_is_graceful_then_kills(
-    tmp_path: Path, qemu_images: Images, qemu_runtime: QemuRuntime
+async def test_jit_config_is_on_no_host_file(
+    tmp_path: Path, images: Images, qemu_runtime: QemuRuntime, shared_store: ImageStore
 ) -> None:
-    rt = qemu_runtime
-    soft = _req(tmp_path, "sleeper", qemu_images.base, qemu_images.sleep)
-    hard = _req(tmp_path, "stubborn", qemu_images.base, qemu_images.stubborn)
-    await asyncio.gather(rt.start(soft, Secret("jit-s-x")), rt.start(hard, Secret("jit-h-x")))
-    await asyncio.gather(_wait_for(rt, soft, "ready"), _wait_for(rt, hard, "ready"))
-    assert (await rt.inspect(soft)).status == "running"
-    await asyncio.gather(rt.stop(soft, grace_seconds=60), rt.stop(hard, grace_seconds=3))
-    s, h = await rt.inspect(soft), await rt.inspect(hard)
-    # the runner ended by SIGTERM in the guest (143) and the guest powered off by itself
-    assert s.status == "exited" and s.exit_code == 143, s
-    assert "stop requested" in s.log_tail
-    assert h.status == "exited" and h.exit_code == -1, h  # killed after the grace period
-    await rt.stop(soft)  # idempotent
-    for r in (soft, hard):
-        await rt.cleanup(r)
-        assert not r.workdir.exists()
-
-
-def _files_containing(root: Path, needle: bytes) -> list[Path]:
-    found = []
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            p = Path(dirpath) / name
-            if p.is_file() and not p.is_symlink():
-                try:
-                    if needle in p.read_bytes():
-                        found.append(p)
-                except OSError:
-                    pass
-    return found
-
-
-def _procs_with(needle: bytes, what: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if needle in Path(f"/proc/{pid}/{what}").read_bytes():
-                    found.append(pid)
-            except OSError:
-                pass
-    return found
-
-
-async def test_jit_config_reaches_the_guest_only(
-    tmp_path: Path, qemu_images: Images, qemu_runtime: QemuRuntime, qemu_store: ImageStore
-) -> None:
+    """The JIT config reaches the guest through a pipe (fw_cfg): while the VM runs it is in no
+    process's environment and in no host file but the (scrubbed on read) console log."""
     rt = qemu_runtime
     marker = "jitmarker-" + secrets.token_hex(16)
-    req = _req(tmp_path, "jit", qemu_images.base, qemu_images.sleep)
+    req = _req(tmp_path, "jit", images.base, images.sleep)
     await rt.start(req, Secret(marker))
-    state = await _wait_for(rt, req, "ready")
-    out = _lines(state.log_tail)
-    assert out["sha"] == hashlib.sha256(marker.encode()).hexdigest()  # the guest got the value
-    assert out["imp"] == "unset"
-    assert out["raw"] == "***" and marker not in state.log_tail  # scrubbed
-    # while the VM runs: in no command line, no environment, no host file (it was a pipe)
-    assert _procs_with(marker.encode(), "cmdline") == []
-    assert _procs_with(marker.encode(), "environ") == []
-    assert _files_containing(req.workdir, marker.encode()) == [req.workdir / "console.log"]
+    state = await wait_for(rt, req, "ready")
+    assert tail_values(state.log_tail)["sha"] == hashlib.sha256(marker.encode()).hexdigest()
+    assert procs_with(marker.encode(), "environ") == []
+    assert files_containing(req.workdir, marker.encode()) == [req.workdir / "console.log"]
     await rt.stop(req, grace_seconds=30)
-    assert marker not in (await rt.inspect(req)).log_tail
     await rt.cleanup(req)
-    assert not req.workdir.exists()
-    assert _files_containing(tmp_path, marker.encode()) == []
-    assert _files_containing(rt.state_dir, marker.encode()) == []
-    assert _files_containing(qemu_store.cache_dir, marker.encode()) == []
+    assert files_containing(rt.state_dir, marker.encode()) == []
+    assert files_containing(shared_store.cache_dir, marker.encode()) == []
+
+
+async def test_image_disks_go_with_their_cache_entries(
+    tmp_path: Path, images: Images, qemu_runtime: QemuRuntime
+) -> None:
+    """Every prepared image gets an ext4 disk as large as its tree: the store's size cap counts
+    the disks, and an evicted image takes its disk with it, so a node's disk does not fill with
+    disks of images no VM uses any more."""
+    store = ImageStore(tmp_path / "cache", 1 << 40, {images.registry})
+    rt = QemuRuntime(
+        store,
+        kernel=qemu_runtime.kernel,
+        initramfs=qemu_runtime.initramfs,
+        accel=qemu_runtime.accel,
+        state_dir=tmp_path / "qemu",
+    )
+
+    def disks() -> list[Path]:
+        return [p for p in tmp_path.rglob("*.ext4") if p.is_file()]
+
+    await rt.prepare(_req(tmp_path, "d0", images.base, images.probe))
+    (disk,) = disks()
+    (entry,) = store.entries()
+    tree = entry.size_bytes - disk.lstat().st_blocks * 512
+    # room for two trees, not for two trees with their disks
+    store.max_bytes = 2 * tree + tree // 2
+    for i, layer in enumerate([images.sleep, images.stubborn, images.standin], start=1):
+        await rt.prepare(_req(tmp_path, f"d{i}", images.base, layer))
+        assert len(disks()) == len(store.entries()) == 1, (disks(), store.entries())
+    # a VM's image (retained while it runs) is never evicted, its disk neither
+    vm = _req(tmp_path, "vm", images.base, images.sleep)
+    await rt.start(vm, Secret("jit-d-x"))
+    await rt.prepare(_req(tmp_path, "d9", images.base, images.probe))
+    assert len(disks()) == 2 + 1  # two image disks and the VM's scratch disk
+    await rt.cleanup(vm)
 
 
 async def test_standin_runner_takes_a_job_over_the_guest_network(
-    tmp_path: Path, qemu_images: Images, qemu_runtime: QemuRuntime
+    tmp_path: Path, images: Images, qemu_runtime: QemuRuntime
 ) -> None:
     """The test runner layer (run.sh = the stand-in runner on the host's Python, shared
     read-only) registers with the GitHub stand-in on the host's loopback, reached from the guest
@@ -214,9 +137,9 @@ async def test_standin_runner_takes_a_job_over_the_guest_network(
         )
         st.runners[runner.id] = runner
         job = st.queue_job("my-org/app", ["self-hosted", "imp"], sleep_seconds=0.5)
-        req = _req(tmp_path, "vm-net", qemu_images.base, qemu_images.standin)
+        req = _req(tmp_path, "vm-net", images.base, images.standin)
         await rt.start(req, Secret(st.jit_config(runner)))
-        state = await _wait_for(rt, req, seconds=300)
+        state = await wait_for(rt, req, seconds=300)
         assert state.exit_code == 0, state.log_tail
         assert f"standin-runner: vm-net job {job.id} success" in state.log_tail
         assert st.jobs[job.id].status == "completed" and st.jobs[job.id].runner_name == "vm-net"

@@ -4,7 +4,6 @@ credentials Secret and VMs whose status records jobs the stand-in knows."""
 
 from __future__ import annotations
 
-import base64
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,21 +12,18 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
-from lightkube import AsyncClient, Client
-from lightkube.config.kubeconfig import KubeConfig
-from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.core_v1 import Event, Secret
+from lightkube import Client
+from lightkube.resources.core_v1 import Event
 from lightkube.types import PatchType
 from pydantic import SecretStr
 
 from impvm.api.models import API_VERSION, POOL_LABEL
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.devstack.controlplane import ControlPlane
+from impvm.devstack.stack import app_secret, make_private_key, pool_manifest
 from impvm.devstack.standin import StandIn
 from impvm.devstack.standin.state import JobRec, RunnerRec, RunRec
 from impvm.github import AppCredentials, GitHubClient, RetryPolicy
+from tests.support import standin_fixture
 
 APP_ID = 5151
 INSTALLATION_ID = 88
@@ -47,39 +43,12 @@ RUN_PATH = "/repos/{owner}/{repo}/actions/runs/{run_id}"
 JOB_PATH = "/repos/{owner}/{repo}/actions/jobs/{job_id}"
 
 
-def make_key() -> str:
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    ).decode()
-
-
 @pytest.fixture(scope="session")
 def private_key() -> str:
-    return make_key()
+    return make_private_key(pkcs8=True)
 
 
-@pytest.fixture
-async def standin(private_key: str) -> AsyncIterator[StandIn]:
-    s = StandIn()
-    await s.start()
-    s.state.add_app(APP_ID, private_key)
-    s.state.add_installation(INSTALLATION_ID, APP_ID, ORG, GRANTED)
-    s.state.add_repo(REPO)
-    yield s
-    await s.stop()
-
-
-@pytest.fixture
-async def akube(control_plane: ControlPlane) -> AsyncIterator[AsyncClient]:
-    """Async admin client of the test control plane."""
-    client = AsyncClient(
-        config=KubeConfig.from_file(str(control_plane.kubeconfig)), field_manager="reaper-test"
-    )
-    yield client
-    await client.close()
+standin = standin_fixture(APP_ID, INSTALLATION_ID, ORG, GRANTED, [REPO])
 
 
 @pytest.fixture
@@ -127,43 +96,28 @@ class World:
     # -------------------------------------------------------------- Kubernetes side
 
     def create_secret(self, name: str = SECRET) -> None:
-        data = {
-            "github_app_id": str(APP_ID),
-            "github_app_installation_id": str(INSTALLATION_ID),
-            "github_app_private_key": self.private_key,
-        }
         self.kube.create(
-            Secret(
-                metadata=ObjectMeta(name=name, namespace=self.namespace),
-                type="Opaque",
-                data={k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
-            )
+            app_secret(name, self.namespace, APP_ID, INSTALLATION_ID, self.private_key)
         )
 
     def create_pool(self, name: str | None = None, **reaper: Any) -> dict[str, Any]:
         name = name or self.pool_name
-        body = {
-            "apiVersion": API_VERSION,
-            "kind": "ImpVMRunnerPool",
-            "metadata": {"name": name, "namespace": self.namespace},
-            "spec": {
-                "templateName": "gh-runner",
-                "labels": ["imp"],
-                "platform": {
-                    "type": "github-actions",
-                    "scope": {"org": ORG},
-                    "credentialsSecret": SECRET,
-                },
-                "scaling": {
-                    "mode": "manual",
-                    "minIdle": 0,
-                    "maxConcurrent": 10,
-                    "scaleUpStep": 1,
-                    "cooldownSeconds": 0,
-                },
-                "reaper": {"enabled": True, "maxJobSeconds": 3600, **reaper},
-            },
+        scaling = {
+            "mode": "manual",
+            "minIdle": 0,
+            "maxConcurrent": 10,
+            "scaleUpStep": 1,
+            "cooldownSeconds": 0,
         }
+        body = pool_manifest(
+            name,
+            self.namespace,
+            scaling,
+            org=ORG,
+            runner_group=None,
+            credentials_secret=SECRET,
+            reaper={"enabled": True, "maxJobSeconds": 3600, **reaper},
+        )
         pool = self.kube.create(ImpVMRunnerPoolResource.from_dict(body)).to_dict()
         if name == self.pool_name:
             self.pool = pool

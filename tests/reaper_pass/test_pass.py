@@ -405,3 +405,24 @@ async def test_operator_loop_runs_passes_with_one_token(
 @pytest.fixture
 def standin_url(world: World) -> str:
     return world.standin.url
+
+
+async def test_pass_locks_are_not_kept_after_the_pass(
+    world: World, akube: AsyncClient, github: GitHubClient
+) -> None:
+    """Passes of one pool are serialised by a lock that lives only while a pass runs: pools
+    come and go, and their locks must not pile up in the operator's memory."""
+    import gc
+
+    from impvm.operator import reaper
+
+    world.create_pool()
+    four_vms(world)
+    first, second = (
+        asyncio.create_task(reap_pool(akube, github, world.refresh_pool(), now())) for _ in range(2)
+    )
+    await asyncio.sleep(0)
+    assert len(reaper._locks) == 1  # both passes share one lock
+    await asyncio.gather(first, second)
+    gc.collect()
+    assert len(reaper._locks) == 0

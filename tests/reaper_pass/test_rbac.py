@@ -25,10 +25,12 @@ from lightkube.resources.authorization_v1 import SelfSubjectAccessReview, Subjec
 from lightkube.resources.core_v1 import Namespace, Secret
 from lightkube.types import PatchType
 
+from impvm.api.models import ImpVMRunnerPool
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
 from impvm.devstack.controlplane import ControlPlane
 from impvm.devstack.kube import client_from_dict, service_account_kubeconfig
-from impvm.operator.reaper import github_client_for_pool, reap_pool
+from impvm.operator.credentials import GitHubProvider
+from impvm.operator.reaper import reap_pool
 
 from .conftest import SECRET, TOKEN_PATH, World, four_vms, now
 
@@ -178,11 +180,13 @@ async def test_a_pass_runs_as_the_service_account(
     world.create_pool()
     four_vms(world)
     pool = (await sa_kube.get(ImpVMRunnerPoolResource, world.pool_name)).to_dict()
-    github = await github_client_for_pool(sa_kube, pool, api_url=world.standin.url)
+    provider = GitHubProvider(sa_kube, api_url=world.standin.url)
+    platform = ImpVMRunnerPool.model_validate(pool).spec.platform
     try:
+        github = await provider.client(world.namespace, platform)
         report = await reap_pool(sa_kube, github, pool, now())
     finally:
-        await github.close()
+        await provider.close()
 
     v = world.vms
     assert report.complete

@@ -8,13 +8,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from impvm.scaling.jobtable import Job, JobTable, PoolScope, route
-from impvm.scaling.labels import PoolKey
+from impvm.scaling.labels import PoolLabels
 
 T0 = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 
-SMALL = PoolScope(PoolKey(namespace="ns", name="small", labels=("imp",)), org="o")
-BIG = PoolScope(PoolKey(namespace="ns", name="big", labels=("imp", "big")), org="o")
-REPO_ONLY = PoolScope(PoolKey(namespace="ns", name="repo", labels=("imp",)), repo="o/app")
+SMALL = PoolScope(PoolLabels(namespace="ns", name="small", labels=("imp",)), org="o")
+BIG = PoolScope(PoolLabels(namespace="ns", name="big", labels=("imp", "big")), org="o")
+REPO_ONLY = PoolScope(PoolLabels(namespace="ns", name="repo", labels=("imp",)), repo="o/app")
 POOLS = [SMALL, BIG]
 
 
@@ -133,3 +133,18 @@ def test_webhook_job_only_feeds_the_pools_that_verified_it() -> None:
     # the same job seen by a poll (GitHub's own answer) may go anywhere
     t.apply(job(2))
     assert route(t.jobs[2], POOLS) == SMALL.key
+
+
+def test_sweep_drops_running_jobs_a_complete_poll_no_longer_sees() -> None:
+    """A job whose ``completed`` delivery was lost stays in progress only until a poll that
+    listed the running jobs no longer sees it; a late delivery cannot bring it back."""
+    t = JobTable()
+    t.apply(job(1, at=T0))
+    t.apply(job(1, "in_progress", runner_name="r"))
+    t.apply(job(2, at=T0))
+    t.apply(job(2, "in_progress", runner_name="s"))
+    t.apply(job(3, "in_progress", runner_name="u", at=T0 + dt.timedelta(seconds=10)))
+    before = T0 + dt.timedelta(seconds=5)
+    assert t.sweep(["o/app"], still_queued=[], before=before, still_running=[2]) == [1]
+    assert set(t.jobs) == {2, 3}  # 2 still runs; 3 was recorded during the poll
+    assert t.apply(job(1, "in_progress", runner_name="r")) is None

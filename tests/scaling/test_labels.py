@@ -10,9 +10,8 @@ from hypothesis import strategies as st
 
 from impvm.scaling import (
     DEFAULT_RUNNER_LABELS,
-    PoolKey,
+    PoolLabels,
     choose_pool,
-    demand_by_pool,
     job_matches,
 )
 
@@ -48,9 +47,9 @@ def test_runner_labels_are_a_parameter() -> None:
     assert DEFAULT_RUNNER_LABELS == {"self-hosted", "linux", "x64"}
 
 
-SMALL = PoolKey(namespace="ci", name="small", labels=("imp",))
-BIG = PoolKey(namespace="ci", name="big", labels=("imp", "large"))
-GPU = PoolKey(namespace="ci", name="gpu", labels=("imp", "GPU"))
+SMALL = PoolLabels(namespace="ci", name="small", labels=("imp",))
+BIG = PoolLabels(namespace="ci", name="big", labels=("imp", "large"))
+GPU = PoolLabels(namespace="ci", name="gpu", labels=("imp", "GPU"))
 
 
 def test_choose_pool_prefers_the_tightest_fit() -> None:
@@ -64,28 +63,17 @@ def test_choose_pool_prefers_the_tightest_fit() -> None:
 
 
 def test_choose_pool_ties_broken_by_namespace_then_name() -> None:
-    a = PoolKey(namespace="b", name="a", labels=("imp",))
-    b = PoolKey(namespace="a", name="z", labels=("imp",))
-    c = PoolKey(namespace="a", name="y", labels=("IMP", "imp", "linux"))  # same effective size
+    a = PoolLabels(namespace="b", name="a", labels=("imp",))
+    b = PoolLabels(namespace="a", name="z", labels=("imp",))
+    c = PoolLabels(namespace="a", name="y", labels=("IMP", "imp", "linux"))  # same effective size
     assert choose_pool(["imp"], [a, b, c]) == c
     assert choose_pool(["imp"], [a, b]) == b
-
-
-def test_demand_by_pool_counts_each_job_once() -> None:
-    jobs = [
-        ["self-hosted", "imp"],
-        ["self-hosted", "imp", "large"],
-        ["self-hosted", "imp"],
-        ["ubuntu-latest"],
-        [],
-    ]
-    assert demand_by_pool(jobs, [SMALL, BIG, GPU]) == {SMALL: 2, BIG: 1, GPU: 0}
 
 
 LABELS = st.sampled_from(["imp", "gpu", "large", "linux", "x64", "self-hosted", "arm64", "Imp"])
 POOLS = st.lists(
     st.builds(
-        PoolKey,
+        PoolLabels,
         namespace=st.sampled_from(["a", "b"]),
         name=st.sampled_from(["p", "q", "r"]),
         labels=st.lists(LABELS, max_size=4).map(tuple),
@@ -107,7 +95,7 @@ def test_prop_matching_is_case_insensitive(job: list[str], pool: list[str], uppe
 
 @given(st.lists(LABELS, max_size=5), POOLS, st.randoms(use_true_random=False))
 def test_prop_choice_is_a_matching_tightest_pool_independent_of_order(
-    job: list[str], pools: list[PoolKey], rnd: random.Random
+    job: list[str], pools: list[PoolLabels], rnd: random.Random
 ) -> None:
     chosen = choose_pool(job, pools)
     shuffled = list(pools)
@@ -119,7 +107,7 @@ def test_prop_choice_is_a_matching_tightest_pool_independent_of_order(
         return
     assert chosen in matching
 
-    def size(p: PoolKey) -> int:
+    def size(p: PoolLabels) -> int:
         return len({x.casefold() for x in p.labels} - DEFAULT_RUNNER_LABELS)
 
     assert all(size(chosen) <= size(p) for p in matching)

@@ -1,16 +1,30 @@
 """The node agent (``impvm agent``): claims ImpVMs for its node, runs them through a
 :class:`~impvm.agent.runtime.Runtime`, and reports their lifecycle in ``ImpVM.status``.
 
+This module is the imperative shell around :func:`impvm.agent.lifecycle.decide`: it observes,
+asks ``decide`` what to do for one VM, carries the steps out and asks again.
+
+Observing costs no request per VM: three watch caches (:mod:`impvm.watchcache`) hold the VMs
+bound to this node (field selector ``spec.nodeName=<node>``), the unbound VMs it may claim
+(``spec.nodeName=``) and the ImpVMClasses. Each change of a VM wakes that VM's worker; a class
+change wakes the VMs of that class; a released VM wakes the unbound ones (capacity was freed).
+What a write returns goes into the cache at once, so the next decision sees it. The VM's JIT
+config Secret is read once, at start.
+
 Binding: an agent claims an unbound VM by setting ``spec.nodeName`` (and its finalizer) in one
 update that carries the VM's ``resourceVersion``, so when several agents race the API server lets
-exactly one win (409 for the others); the CRD forbids changing ``nodeName`` afterwards. An agent
-claims only what fits its advertised capacity (vCPU, MiB). Liveness and capacity are advertised in
-a ``coordination.k8s.io`` Lease ``impvm-agent-<node>``, renewed every ``lease_renew_seconds``. The
-same code runs as a DaemonSet pod or as a local process beside the embedded control plane.
+exactly one win (409 for the others); the CRD forbids changing ``nodeName`` afterwards. Claims are
+made one at a time per agent and only for what fits its advertised capacity (vCPU, MiB).
+Liveness and capacity are advertised in a ``coordination.k8s.io`` Lease ``impvm-agent-<node>``,
+renewed every ``lease_renew_seconds``. The same code runs as a DaemonSet pod or as a local process
+beside the embedded control plane.
 
-Phases (issue: pool controller and node agent): Scheduled → Starting → Running → Succeeded (exit 0)
-/ Failed (non-zero exit, start error, start timeout, ``expireAfter`` deadline: DeadlineExceeded).
-A deleted VM is stopped and its scratch removed before the finalizer is released.
+Phases: Scheduled → Starting → Running → Succeeded (exit 0) / Failed (non-zero exit, image pull or
+start error, start timeout, ``expireAfter`` deadline: DeadlineExceeded, runtime lost the VM). A
+deleted VM is stopped and its files removed before the finalizer is released.
+
+Memory is bounded by the VMs this node works on: a VM's worker and per-VM state go once
+``decide`` says the VM needs nothing more (``forget``).
 """
 
 from __future__ import annotations
@@ -21,7 +35,7 @@ import contextlib
 import datetime as dt
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,28 +47,33 @@ from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Secret as K8sSecret
 from lightkube.types import PatchType
 
-from impvm.agent.capacity import Resources, fits, total
-from impvm.agent.runtime import ImageError, Runtime, RuntimeError_, Secret, VMRequest, VMState
-from impvm.agent.signing import SignatureError, image_verified_status
-from impvm.api.durations import resolve_expire_after
+from impvm.agent import lifecycle as lc
+from impvm.agent.capacity import ZERO, Resources, total
+from impvm.agent.network.policy import EgressLayer, egress_layers
+from impvm.agent.runtime import (
+    ImageError,
+    Runtime,
+    RuntimeState,
+    Secret,
+    VMRequest,
+    VMRuntimeError,
+)
+from impvm.agent.signing import SignatureError, verification
 from impvm.api.models import (
     AGENT_FINALIZER,
     AGENT_LEASE_NAMESPACE,
     AGENT_LEASE_PREFIX,
+    API_VERSION,
     JIT_SECRET_KEY,
-    TERMINAL_PHASES,
-    ImpVM,
     ImpVMClass,
     ImpVMClassSpec,
 )
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
-from impvm.api.times import k8s_time, utcnow
+from impvm.api.times import utcnow
 from impvm.events import EventRecorder
+from impvm.watchcache import Key, WatchCache
 
 log = logging.getLogger("impvm.agent")
-
-FINALIZER = AGENT_FINALIZER
-LEASE_PREFIX = AGENT_LEASE_PREFIX
 
 
 @dataclass
@@ -71,58 +90,121 @@ class AgentConfig:
     tick_seconds: float = 1.0
     start_timeout_seconds: float = 300.0
     stop_grace_seconds: float = 10.0
+    jit_retry_seconds: float = 1.0
     accelerator: str = "none"
 
 
 @dataclass
 class _Worker:
-    task: asyncio.Task[None]
+    """The task working one VM and the event that wakes it."""
+
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class _Local:
+    """What the shell keeps about one VM between decisions: the facts ``decide`` sees, the
+    last request built for it (to clean up a VM that is gone) and its size when last known (a
+    VM whose class was deleted still occupies what it was given)."""
+
+    facts: lc.LocalFacts = field(default_factory=lc.LocalFacts)
+    request: VMRequest | None = None
+    size: Resources | None = None
+
+
+def _parse_class(raw: dict[str, Any]) -> ImpVMClassSpec:
+    return ImpVMClass.model_validate(raw).spec
 
 
 class Agent:
-    """One node's agent. ``run()`` works until cancelled."""
+    """One node's agent. ``run()`` works until cancelled. ``preflight``: whether this host can
+    run VMs (an agent whose runtime cannot work claims nothing)."""
 
-    def __init__(self, client: AsyncClient, runtime: Runtime, config: AgentConfig) -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        runtime: Runtime,
+        config: AgentConfig,
+        preflight: lc.Preflight | None = None,
+    ) -> None:
         self.client = client
         self.runtime = runtime
         self.config = config
+        self.preflight = preflight or lc.Preflight()
+        self.policy = lc.Policy(
+            runtime_name=runtime.name,
+            tick_seconds=config.tick_seconds,
+            start_timeout_seconds=config.start_timeout_seconds,
+            stop_grace_seconds=config.stop_grace_seconds,
+            jit_retry_seconds=config.jit_retry_seconds,
+        )
         self.events = EventRecorder(client, component="impvm-agent", host=config.node_name)
-        self._workers: dict[tuple[str, str], _Worker] = {}
-        self._claimed: dict[tuple[str, str], Resources] = {}
+        node = config.node_name
+        self.mine: WatchCache[lc.VMRecord] = WatchCache(
+            client,
+            ImpVMResource,
+            lc.VMRecord.from_object,
+            fields={"spec.nodeName": node},
+            on_change=self._poke,
+            name=f"impvms on {node}",
+        )
+        self.unbound: WatchCache[lc.VMRecord] = WatchCache(
+            client,
+            ImpVMResource,
+            lc.VMRecord.from_object,
+            fields={"spec.nodeName": ""},
+            on_change=self._poke,
+            name="unbound impvms",
+        )
+        self.classes: WatchCache[ImpVMClassSpec] = WatchCache(
+            client,
+            ImpVMClassResource,
+            _parse_class,
+            namespace=None,
+            on_change=self._class_changed,
+            name="impvmclasses",
+        )
+        self._workers: dict[Key, _Worker] = {}
+        self._local: dict[Key, _Local] = {}
         self._claim_lock = asyncio.Lock()
-        self._classes: dict[str, ImpVMClassSpec] = {}
-        self._cleaned: set[str] = set()
+        self._ready = False
+        self._early: set[Key] = set()
+
+    def tracked(self) -> set[Key]:
+        """The VMs this agent holds any state for (a worker or per-VM facts)."""
+        return set(self._workers) | set(self._local)
 
     # ------------------------------------------------------------------ main loops
 
     async def run(self) -> None:
-        """Advertise the node, then watch and work VMs until cancelled."""
+        """Advertise the node, fill the caches, sweep what an earlier run left, then work VMs
+        until cancelled."""
         self.config.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        while True:  # the API server may still be starting (e.g. a just-installed CRD)
+        while True:  # the API server may still be starting
             try:
                 await self._renew_lease()
-                await self._sweep_stale()
-                await self._resync()
                 break
             except ApiError as e:
                 log.warning("agent start: %s; retrying", e.status.message)
                 await asyncio.sleep(1.0)
-        tasks = [
-            asyncio.create_task(self._lease_loop(), name="lease"),
-            asyncio.create_task(self._watch_loop(), name="watch"),
-            asyncio.create_task(self._resync_loop(), name="resync"),
-        ]
+        caches = (self.classes, self.mine, self.unbound)
+        tasks = [asyncio.create_task(c.run(), name=c.name) for c in caches]
+        tasks.append(asyncio.create_task(self._lease_loop(), name="lease"))
         try:
+            await asyncio.gather(*(c.synced.wait() for c in caches))
+            await self._sweep_stale()
+            self._ready = True
+            for key in sorted(self._early | set(self.mine.store) | set(self.unbound.store)):
+                self._poke(key)
+            self._early.clear()
+            tasks.append(asyncio.create_task(self._resync_loop(), name="resync"))
             await asyncio.gather(*tasks)
         finally:
-            for t in tasks:
+            workers = [w.task for w in self._workers.values() if w.task is not None]
+            for t in [*tasks, *workers]:
                 t.cancel()
-            for w in list(self._workers.values()):
-                w.task.cancel()
-            await asyncio.gather(
-                *tasks, *(w.task for w in self._workers.values()), return_exceptions=True
-            )
+            await asyncio.gather(*tasks, *workers, return_exceptions=True)
 
     async def _sweep_stale(self) -> None:
         """At start, clean up what a previous run of this agent left: the per-VM state of every
@@ -131,35 +213,18 @@ class Agent:
         vms_dir = self.config.workdir / "vms"
         if not vms_dir.is_dir():
             return
-        live: dict[str, tuple[ImpVM, dict[str, Any]]] = {}
-        async for raw in self.client.list(ImpVMResource, namespace="*"):
-            obj = raw.to_dict()
-            vm = ImpVM.model_validate(obj)
-            if vm.spec.node_name == self.config.node_name:
-                req = self._request(vm, obj["metadata"])
-                live[req.vm_id] = (vm, obj["metadata"])
+        live = {vm.vm_id for vm in self.mine.values()}
         for d in sorted(vms_dir.iterdir()):
             if d.name in live:
                 continue
             ns, _, rest = d.name.partition(".")  # vm_id: <namespace>.<name>.<uid[:8]>
-            name = rest.rsplit(".", 1)[0]
-            stale = VMRequest(
-                vm_id=d.name,
-                name=name,
-                namespace=ns,
-                image="",
-                runner_layer=None,
-                allow_unpinned_images=False,
-                vcpu=1,
-                memory_mib=0,
-                disk_gib=0,
-                workdir=d,
-            )
+            stale = self._request_for(d.name, ns, rest.rsplit(".", 1)[0], ZERO, None, d)
             log.info("removing state of VM %s left by a previous agent run", d.name)
             await self.runtime.stop(stale, 0.0)
             await self.runtime.cleanup(stale)
 
     async def _lease_loop(self) -> None:
+        """Renew the Lease every ``lease_renew_seconds``; a failure is retried next time."""
         while True:
             await asyncio.sleep(self.config.lease_renew_seconds)
             try:
@@ -168,18 +233,17 @@ class Agent:
                 log.warning("lease renewal failed: %s", e)
 
     async def _renew_lease(self) -> None:
+        """Apply the Lease with this node's capacity, runtime and accelerator."""
         c = self.config
-        name = LEASE_PREFIX + c.node_name
         annotations = {
             "imp.dev/vcpu": str(c.capacity.vcpu),
             "imp.dev/memory-mib": str(c.capacity.memory_mib),
             "imp.dev/runtime": self.runtime.name,
             "imp.dev/accelerator": c.accelerator,
         }
-        now = dt.datetime.now(dt.UTC)
         body = Lease(
             metadata=ObjectMeta(
-                name=name,
+                name=AGENT_LEASE_PREFIX + c.node_name,
                 namespace=c.lease_namespace,
                 annotations=annotations,
                 labels={"app.kubernetes.io/name": "impvm-agent"},
@@ -187,313 +251,317 @@ class Agent:
             spec=LeaseSpec(
                 holderIdentity=c.node_name,
                 leaseDurationSeconds=c.lease_duration_seconds,
-                renewTime=now,
+                renewTime=dt.datetime.now(dt.UTC),
             ),
         )
         await self.client.apply(body, field_manager="impvm-agent", force=True)
 
-    async def _watch_loop(self) -> None:
-        while True:
-            try:
-                async for _kind, obj in self.client.watch(ImpVMResource, namespace="*"):
-                    self._poke(obj["metadata"]["namespace"], obj["metadata"]["name"])
-            except Exception as e:  # watch ended or failed: back off and watch again
-                log.info("watch ended (%s); restarting", e)
-                await asyncio.sleep(1.0)
-
     async def _resync_loop(self) -> None:
+        """Every ``resync_seconds``, wake every cached VM (no API request): a safety net for a
+        wake-up that was missed."""
         while True:
             await asyncio.sleep(self.config.resync_seconds)
-            try:
-                await self._resync()
-            except Exception as e:
-                log.warning("resync failed: %s", e)
+            for key in sorted(set(self.mine.store) | set(self.unbound.store)):
+                self._poke(key)
 
-    async def _resync(self) -> None:
-        async for obj in self.client.list(ImpVMResource, namespace="*"):
-            self._poke(obj["metadata"]["namespace"], obj["metadata"]["name"])
-
-    def _poke(self, namespace: str, name: str) -> None:
-        key = (namespace, name)
+    def _poke(self, key: Key) -> None:
+        """Wake the worker of VM ``key``, starting one when there is none."""
+        if not self._ready:
+            self._early.add(key)
+            return
         w = self._workers.get(key)
-        if w is None or w.task.done():
-            w = _Worker(task=asyncio.create_task(self._vm_loop(key), name=f"vm {namespace}/{name}"))
+        if w is None:
+            w = _Worker()
             self._workers[key] = w
+            w.task = asyncio.create_task(self._vm_loop(key, w), name=f"vm {key[0]}/{key[1]}")
         w.wake.set()
+
+    def _class_changed(self, key: Key) -> None:
+        """An ImpVMClass was added, changed or removed: wake the VMs that use it."""
+        for cache in (self.mine, self.unbound):
+            for vm in cache.values():
+                if vm.class_name == key[1]:
+                    self._poke(vm.key)
 
     # ------------------------------------------------------------------ one VM
 
-    async def _vm_loop(self, key: tuple[str, str]) -> None:
-        """Work one VM until it no longer needs this agent (not ours, finished, or gone)."""
-        await asyncio.sleep(0)
-        w = self._workers[key]
+    async def _vm_loop(self, key: Key, w: _Worker) -> None:
+        """Decide and act for one VM until ``decide`` says to forget it; in between, sleep
+        until woken or until the action's recheck time."""
         try:
             while True:
                 w.wake.clear()
                 try:
-                    again = await self._step(key)
-                except ApiError as e:
-                    if e.status.code == 404:
-                        again = False
-                    else:
-                        log.warning("vm %s/%s: API error %s", *key, e.status.code)
-                        again = True
-                if not again:
+                    action = await self._step(key)
+                except Exception:  # a bug or an unexpected answer: log it, try again later
+                    log.exception("vm %s/%s: step failed", *key)
+                    action = None
+                if action is not None and action.forget:
+                    if w.wake.is_set():  # woken meanwhile: look again
+                        continue
                     return
+                delay = self.config.tick_seconds if action is None else action.recheck_seconds
+                if delay == 0:
+                    continue
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(w.wake.wait(), self.config.tick_seconds)
+                    await asyncio.wait_for(w.wake.wait(), delay)
         finally:
-            self._claimed.pop(key, None)
+            if self._workers.get(key) is w:
+                del self._workers[key]
 
-    async def _step(self, key: tuple[str, str]) -> bool:
-        """One pass over one VM. Returns whether the VM still needs attention."""
-        ns, name = key
+    def _vm(self, key: Key) -> lc.VMRecord | None:
+        """The VM from the caches: bound here wins over unbound (the two watches do not
+        deliver in step while a claim moves a VM from one to the other)."""
+        return self.mine.get(key) or self.unbound.get(key)
+
+    async def _step(self, key: Key) -> lc.AgentAction | None:
+        """Observe one VM, decide, act. Returns the action, or None when a step failed (then
+        the next decision comes after a tick). Claims are made one at a time."""
+        vm = self._vm(key)
+        if vm is not None and not vm.node_name:
+            async with self._claim_lock:
+                return await self._decide_and_act(key, self._vm(key))
+        return await self._decide_and_act(key, vm)
+
+    async def _decide_and_act(self, key: Key, vm: lc.VMRecord | None) -> lc.AgentAction | None:
+        """Build the observation of one VM (caches, its class, the runtime, what this agent did),
+        decide, and carry the action out; forget the VM's state when the action says so."""
+        local = self._local.setdefault(key, _Local())
+        node = self.config.node_name
+        spec = self.classes.get(("", vm.class_name)) if vm is not None else None
+        size = Resources(spec.vcpu, spec.memory_mib) if spec is not None else None
+        if size is not None:
+            local.size = size
+        req = local.request
+        if vm is not None and vm.node_name == node:
+            req = local.request = self._request(vm, spec, local.size)
+        state = await self.runtime.inspect(req) if req is not None else RuntimeState("missing")
+        obs = lc.VMObservation(
+            node=node,
+            now=utcnow(),
+            vm=vm,
+            size=size,
+            runtime=state,
+            capacity=self.config.capacity,
+            used=self._used(exclude=key),
+            local=local.facts,
+            preflight=self.preflight,
+            policy=self.policy,
+        )
+        action = lc.decide(obs)
+        log.debug("vm %s/%s: %s %s", *key, action.why, [type(s).__name__ for s in action.steps])
+        done = await self._execute(key, vm, req, action)
+        if done and action.forget:
+            self._local.pop(key, None)
+        return action if done else None
+
+    def _used(self, exclude: Key) -> Resources:
+        """vCPU/MiB of the VMs bound here and not yet released, other than ``exclude`` (a VM
+        whose class was deleted keeps the size it was given)."""
+        sizes: list[Resources] = []
+        for vm in self.mine.values():
+            if vm.key == exclude or not lc.holds_capacity(vm, self.config.node_name):
+                continue
+            spec = self.classes.get(("", vm.class_name))
+            local = self._local.get(vm.key)
+            if spec is not None:
+                sizes.append(Resources(spec.vcpu, spec.memory_mib))
+            elif local is not None and local.size is not None:
+                sizes.append(local.size)
+        return total(sizes)
+
+    async def _execute(
+        self, key: Key, vm: lc.VMRecord | None, req: VMRequest | None, action: lc.AgentAction
+    ) -> bool:
+        """Carry out the steps in order; False when one failed (the rest is left undone). An
+        action runs to its end even when the agent is being stopped (its steps belong
+        together: report, then clean up), except one that pulls an image, which may take
+        minutes and is safe to abandon."""
+        if not action.steps:
+            return True
+        run = asyncio.ensure_future(self._run_steps(key, vm, req, action.steps))
+        if action.has(lc.Prepare):
+            return await run
         try:
-            raw = await self.client.get(ImpVMResource, name, namespace=ns)
-        except ApiError as e:
-            if e.status.code == 404:
-                return False
+            return await asyncio.shield(run)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await run
             raise
-        obj: dict[str, Any] = raw.to_dict()
-        vm = ImpVM.model_validate(obj)
-        meta = obj["metadata"]
-        node = vm.spec.node_name
-        phase = vm.status.phase if vm.status else None
-        deleting = bool(meta.get("deletionTimestamp"))
-        finalizers: list[str] = list(meta.get("finalizers") or [])
 
-        if not node:
-            if deleting or phase in TERMINAL_PHASES:
-                return False
-            return await self._try_claim(key, vm, meta)
-        if node != self.config.node_name:
-            return False
-
-        req = self._request(vm, meta)
-        if deleting:
-            if phase not in TERMINAL_PHASES and phase != "Terminating":
-                await self._patch_status(key, {"phase": "Terminating"})
-            await self.runtime.stop(req, self.config.stop_grace_seconds)
-            await self._cleanup(req)
-            await self._release(key, meta, finalizers)
-            return False
-        if phase in TERMINAL_PHASES:
-            await self._cleanup(req)
-            await self._release(key, meta, finalizers)
-            return False
-
-        if key not in self._claimed:
-            self._claimed[key] = await self._class_resources(vm.spec.class_ref.name) or Resources(
-                0, 0
-            )
-        if phase in (None, "Pending", "Scheduled"):
-            return await self._start(key, vm, req)
-        return await self._observe(key, vm, req)
-
-    async def _try_claim(self, key: tuple[str, str], vm: ImpVM, meta: dict[str, Any]) -> bool:
-        need = await self._class_resources(vm.spec.class_ref.name)
-        if need is None:
-            return True  # class missing: wait for it (the operator reports it)
-        async with self._claim_lock:
-            used = total(list(self._claimed.values()))
-            if not fits(self.config.capacity, used, need):
-                return True  # no room now; look again at the next tick
-            # jitter so several agents do not collide on every VM
-            await asyncio.sleep(random.uniform(0, 0.05))
-            patch = {
-                "metadata": {
-                    "resourceVersion": meta["resourceVersion"],
-                    "finalizers": [*(meta.get("finalizers") or []), FINALIZER],
-                },
-                "spec": {"nodeName": self.config.node_name},
-            }
+    async def _run_steps(
+        self, key: Key, vm: lc.VMRecord | None, req: VMRequest | None, steps: tuple[lc.Step, ...]
+    ) -> bool:
+        """The steps in order; False at the first that failed or must stop the rest."""
+        for step in steps:
             try:
-                await self.client.patch(
-                    ImpVMResource, key[1], patch, namespace=key[0], patch_type=PatchType.MERGE
-                )
+                if not await self._do(key, vm, req, step):
+                    return False
             except ApiError as e:
-                if e.status.code in (409, 422, 404):
-                    return e.status.code == 409  # lost the race or VM gone
-                raise
-            self._claimed[key] = need
-        await self._patch_status(key, {"phase": "Scheduled", "nodeName": self.config.node_name})
-        await self._event(key, meta, "Scheduled", f"bound to node {self.config.node_name}")
+                if e.status.code != 404:  # a VM gone meanwhile shows in the cache soon
+                    log.warning("vm %s/%s: %s: API error %s", *key, type(step).__name__, e)
+                return False
         return True
 
-    async def _start(self, key: tuple[str, str], vm: ImpVM, req: VMRequest) -> bool:
-        status = vm.status
-        if status is None or status.phase != "Scheduled":
-            await self._patch_status(key, {"phase": "Scheduled", "nodeName": self.config.node_name})
-        try:
-            await self.runtime.prepare(req)
-        except SignatureError as e:
-            await self._fail(key, vm, req, e.reason, str(e), image_verified_status(req, e))
+    async def _do(
+        self, key: Key, vm: lc.VMRecord | None, req: VMRequest | None, step: lc.Step
+    ) -> bool:
+        """One step. Returns False when the rest of the action must not run (a conflict: the
+        VM changed, or another agent claimed it). Raises ``ApiError``."""
+        local = self._local.setdefault(key, _Local())
+        if isinstance(step, lc.Emit):
+            if vm is not None:
+                await self._event(vm, step)
             return True
-        except ImageError as e:
-            await self._fail(key, vm, req, "ImagePullFailed", str(e))
+        if isinstance(step, lc.Stop | lc.Cleanup | lc.Prepare | lc.Start):
+            assert req is not None, f"{step} without a request"
+            return await self._runtime_step(key, vm, req, local, step)
+        assert vm is not None, f"{step} for a VM that is gone"
+        if isinstance(step, lc.PatchStatus):
+            await self._patch_status(vm, dict(step.fields))
             return True
-        secret_name = vm.spec.runner_config_secret
-        if not secret_name:
-            return True  # the operator has not attached the JIT config yet
-        jit = await self._read_jitconfig(key[0], secret_name)
-        if jit is None:
-            return True
-        started = utcnow()
-        try:
-            await self.runtime.start(req, jit)
-        except RuntimeError_ as e:
-            await self._fail(key, vm, req, "StartFailed", str(e))
-            return True
-        await self._patch_status(
-            key,
-            {"phase": "Starting", "startedAt": k8s_time(started), **image_verified_status(req)},
+        if isinstance(step, lc.Claim):
+            await asyncio.sleep(random.uniform(0, 0.05))  # several agents: do not collide
+            fins = [*vm.finalizers, AGENT_FINALIZER]
+            ok = await self._patch_meta(vm, fins, {"spec": {"nodeName": self.config.node_name}})
+            if ok:
+                local.size = step.size
+            return ok
+        if isinstance(step, lc.AddFinalizer):
+            return await self._patch_meta(vm, [*vm.finalizers, AGENT_FINALIZER])
+        if isinstance(step, lc.Release):
+            ok = await self._patch_meta(vm, [f for f in vm.finalizers if f != AGENT_FINALIZER])
+            if ok:  # capacity freed: the unbound VMs may fit now
+                for k in self.unbound.store:
+                    self._poke(k)
+            return ok
+        raise AssertionError(f"unknown step {step!r}")
+
+    async def _runtime_step(
+        self, key: Key, vm: lc.VMRecord | None, req: VMRequest, local: _Local, step: lc.Step
+    ) -> bool:
+        """A step the runtime carries out; what it learns goes into the VM's facts."""
+        facts = local.facts
+        if isinstance(step, lc.Stop):
+            await self.runtime.stop(req, step.grace_seconds)
+        elif isinstance(step, lc.Cleanup):
+            await self.runtime.cleanup(req)
+            facts = replace(facts, cleaned=True)
+        elif isinstance(step, lc.Prepare):
+            try:
+                await self.runtime.prepare(req)
+                facts = replace(facts, prepared=True, verification=verification(req))
+            except SignatureError as e:
+                facts = replace(
+                    facts, failure=(e.reason, str(e)), verification=verification(req, e)
+                )
+            except ImageError as e:
+                facts = replace(facts, failure=("ImagePullFailed", str(e)))
+        elif isinstance(step, lc.Start):
+            assert vm is not None
+            jit = await self._read_jitconfig(vm)
+            if jit is None:
+                facts = replace(facts, jit_missing_at=utcnow())
+            else:
+                try:
+                    await self.runtime.start(req, jit)
+                    facts = replace(facts, jit_missing_at=None, cleaned=False)
+                except VMRuntimeError as e:
+                    facts = replace(facts, failure=("StartFailed", str(e)))
+        local.facts = facts
+        return True
+
+    # ------------------------------------------------------------------ API helpers
+
+    def _request(
+        self, vm: lc.VMRecord, spec: ImpVMClassSpec | None, size: Resources | None
+    ) -> VMRequest:
+        """The runtime request of a VM bound here, rebuilt at every decision from the class
+        cache (its size and egress policy). Without its class only stop and cleanup use it
+        (``decide`` starts no VM whose class is missing)."""
+        return self._request_for(
+            vm.vm_id,
+            vm.namespace,
+            vm.name,
+            size or ZERO,
+            vm,
+            self.config.workdir / "vms" / vm.vm_id,
+            disk_gib=spec.disk_gib if spec is not None else 1,
+            egress=egress_layers(spec.network if spec else None, vm.vm.spec.network),
         )
-        await self._event(key, None, "Started", f"runtime {self.runtime.name} started the VM")
-        return True
 
-    async def _observe(self, key: tuple[str, str], vm: ImpVM, req: VMRequest) -> bool:
-        assert vm.status is not None
-        phase = vm.status.phase
-        started = vm.status.started_at
-        state = await self.runtime.inspect(req)
-        now = utcnow()
-        expire = resolve_expire_after(vm.spec.expire_after)
-        if expire and started and (now - started).total_seconds() >= expire:
-            await self.runtime.stop(req, self.config.stop_grace_seconds)
-            await self._fail(
-                key, vm, req, "DeadlineExceeded", f"expireAfter {vm.spec.expire_after} passed"
-            )
-            return True
-        if state.status == "exited":
-            await self._finish(key, vm, req, state)
-            return True
-        if state.status == "missing":
-            await self._fail(
-                key, vm, req, "Lost", "the runtime no longer knows this VM (agent restarted?)"
-            )
-            return True
-        if state.status == "running" and phase != "Running":
-            await self._patch_status(key, {"phase": "Running"})
-        elif (
-            state.status == "starting"
-            and started
-            and (now - started).total_seconds() >= self.config.start_timeout_seconds
-        ):
-            await self.runtime.stop(req, self.config.stop_grace_seconds)
-            await self._fail(key, vm, req, "StartTimeout", state.log_tail[-2000:])
-        return True
-
-    async def _finish(self, key: tuple[str, str], vm: ImpVM, req: VMRequest, st: VMState) -> None:
-        code = st.exit_code if st.exit_code is not None else -1
-        finished = st.finished_at or utcnow()
-        if code == 0:
-            await self._patch_status(
-                key,
-                {
-                    "phase": "Succeeded",
-                    "exitCode": 0,
-                    "exitReason": "Completed",
-                    "finishedAt": k8s_time(finished),
-                },
-            )
-            await self._event(key, None, "Succeeded", "runner exited 0")
-        else:
-            await self._patch_status(
-                key,
-                {
-                    "phase": "Failed",
-                    "exitCode": code,
-                    "exitReason": "Error",
-                    "finishedAt": k8s_time(finished),
-                    "message": st.log_tail[-2000:],
-                },
-            )
-            await self._event(key, None, "Failed", f"runner exited {code}", warning=True)
-        await self._cleanup(req)
-
-    async def _fail(
-        self,
-        key: tuple[str, str],
-        vm: ImpVM,
-        req: VMRequest,
-        reason: str,
-        message: str,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
-        await self._patch_status(
-            key,
-            {
-                "phase": "Failed",
-                "exitReason": reason,
-                "finishedAt": k8s_time(utcnow()),
-                "message": message[-2000:],
-                **(extra or {}),
-            },
-        )
-        await self._event(key, None, reason, message[-500:], warning=True)
-        await self.runtime.stop(req, self.config.stop_grace_seconds)
-        await self._cleanup(req)
-
-    async def _cleanup(self, req: VMRequest) -> None:
-        if req.vm_id in self._cleaned:
-            return
-        await self.runtime.cleanup(req)
-        self._cleaned.add(req.vm_id)
-
-    async def _release(self, key: tuple[str, str], meta: dict[str, Any], fins: list[str]) -> None:
-        self._claimed.pop(key, None)
-        if FINALIZER not in fins:
-            return
-        patch = {
-            "metadata": {
-                "resourceVersion": meta["resourceVersion"],
-                "finalizers": [f for f in fins if f != FINALIZER],
-            }
-        }
-        try:
-            await self.client.patch(
-                ImpVMResource, key[1], patch, namespace=key[0], patch_type=PatchType.MERGE
-            )
-        except ApiError as e:
-            if e.status.code not in (404, 409):
-                raise
-            if e.status.code == 409:  # changed meanwhile: the next pass retries
-                self._poke(*key)
-
-    # ------------------------------------------------------------------ helpers
-
-    def _request(self, vm: ImpVM, meta: dict[str, Any]) -> VMRequest:
-        ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
-        vm_id = f"{ns}.{name}.{uid[:8]}"
-        cls = self._classes.get(vm.spec.class_ref.name)
+    @staticmethod
+    def _request_for(
+        vm_id: str,
+        namespace: str,
+        name: str,
+        size: Resources,
+        vm: lc.VMRecord | None,
+        workdir: Path,
+        disk_gib: int = 1,
+        egress: tuple[EgressLayer, ...] = (),
+    ) -> VMRequest:
+        """A runtime request; ``vm`` gives image and runner layer (none for a stale workdir);
+        ``egress``: its network's policy layers (:func:`egress_layers`)."""
+        spec = vm.vm.spec if vm is not None else None
         return VMRequest(
             vm_id=vm_id,
             name=name,
-            namespace=ns,
-            image=vm.spec.image,
-            runner_layer=vm.spec.runner_layer,
-            allow_unpinned_images=bool(vm.spec.allow_unpinned_images),
-            vcpu=cls.vcpu if cls else 1,
-            memory_mib=cls.memory_mib if cls else 512,
-            disk_gib=cls.disk_gib if cls else 1,
-            workdir=self.config.workdir / "vms" / vm_id,
-            verify_public_key=vm.spec.verify.public_key if vm.spec.verify else None,
+            namespace=namespace,
+            image=spec.image if spec else "",
+            runner_layer=spec.runner_layer if spec else None,
+            allow_unpinned_images=bool(spec.allow_unpinned_images) if spec else False,
+            vcpu=size.vcpu,
+            memory_mib=size.memory_mib,
+            disk_gib=disk_gib,
+            workdir=workdir,
+            egress=egress,
+            verify_public_key=spec.verify.public_key if spec and spec.verify else None,
         )
 
-    async def _class_resources(self, name: str) -> Resources | None:
-        """vCPU/MiB of an ImpVMClass (cached; a deleted class keeps its last known size)."""
-        try:
-            raw = await self.client.get(ImpVMClassResource, name)
-            self._classes[name] = ImpVMClass.model_validate(raw.to_dict()).spec
-        except ApiError as e:
-            if e.status.code != 404:
-                raise
-        spec = self._classes.get(name)
-        return Resources(spec.vcpu, spec.memory_mib) if spec else None
+    def _written(self, raw: dict[str, Any]) -> None:
+        """Put what a write returned into the cache its ``spec.nodeName`` selects."""
+        node = (raw.get("spec") or {}).get("nodeName")
+        (self.mine if node == self.config.node_name else self.unbound).written(raw)
 
-    async def _read_jitconfig(self, namespace: str, name: str) -> Secret | None:
+    async def _patch_meta(
+        self, vm: lc.VMRecord, finalizers: list[str], extra: dict[str, Any] | None = None
+    ) -> bool:
+        """Set the VM's finalizers (and ``extra``) if it still has the observed
+        resourceVersion. False on a conflict or when the VM is gone or refuses the change."""
+        patch = {
+            "metadata": {"resourceVersion": vm.resource_version, "finalizers": finalizers},
+            **(extra or {}),
+        }
         try:
-            sec = await self.client.get(K8sSecret, name, namespace=namespace)
+            got = await self.client.patch(
+                ImpVMResource, vm.name, patch, namespace=vm.namespace, patch_type=PatchType.MERGE
+            )
+        except ApiError as e:
+            if e.status.code in (404, 409, 422):
+                return False
+            raise
+        self._written(got.to_dict())
+        return True
+
+    async def _patch_status(self, vm: lc.VMRecord, status: dict[str, Any]) -> None:
+        """Merge ``status`` into the VM's status subresource; the result goes into the cache."""
+        got = await self.client.patch(
+            ImpVMResource.Status,
+            vm.name,
+            {"status": status},
+            namespace=vm.namespace,
+            patch_type=PatchType.MERGE,
+        )
+        self._written(got.to_dict())
+
+    async def _read_jitconfig(self, vm: lc.VMRecord) -> Secret | None:
+        """The JIT config from the VM's Secret; None while it is not there (yet)."""
+        name = vm.vm.spec.runner_config_secret
+        if not name:
+            return None
+        try:
+            sec = await self.client.get(K8sSecret, name, namespace=vm.namespace)
         except ApiError as e:
             if e.status.code in (403, 404):
                 return None
@@ -503,36 +571,15 @@ class Agent:
             return None
         return Secret(base64.b64decode(data).decode())
 
-    async def _patch_status(self, key: tuple[str, str], status: dict[str, Any]) -> None:
-        await self.client.patch(
-            ImpVMResource.Status,
-            key[1],
-            {"status": status},
-            namespace=key[0],
-            patch_type=PatchType.MERGE,
-        )
-
-    async def _event(
-        self,
-        key: tuple[str, str],
-        meta: dict[str, Any] | None,
-        reason: str,
-        message: str,
-        warning: bool = False,
-    ) -> None:
-        if meta is None:
-            try:
-                meta = (await self.client.get(ImpVMResource, key[1], namespace=key[0]))["metadata"]
-            except ApiError:
-                return
-        assert meta is not None
+    async def _event(self, vm: lc.VMRecord, step: lc.Emit) -> None:
+        """Record the step's Event about the VM (aggregated, never raising)."""
         await self.events.record(
-            api_version="imp.dev/v1alpha1",
+            api_version=API_VERSION,
             kind="ImpVM",
-            namespace=key[0],
-            name=key[1],
-            uid=meta.get("uid", ""),
-            reason=reason,
-            message=message,
-            warning=warning,
+            namespace=vm.namespace,
+            name=vm.name,
+            uid=vm.uid,
+            reason=step.reason,
+            message=step.message,
+            warning=step.warning,
         )

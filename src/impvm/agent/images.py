@@ -1,6 +1,7 @@
 """Image preparation for the node agent: pull by digest, verify, unpack, add runner layer, cache.
 
-Rules (seed 001 "Runner image contract", seed 003 "pull by digest, never by tag"):
+Rules (the runner image contract: an immutable base image plus a runner layer, pulled by digest,
+never by tag):
 
 * A reference must be pinned (``REPO@sha256:<64 hex>``, a tag may precede the digest and is then
   ignored). A tag-only reference is refused with :class:`ImageError` unless ``allow_unpinned``;
@@ -23,6 +24,8 @@ Rules (seed 001 "Runner image contract", seed 003 "pull by digest, never by tag"
   verification) is never handed to a request that requires another key; that request pulls and
   verifies again. A finished entry is made read-only
   (write bits removed recursively) and is never written by VMs (runtimes mount it read-only).
+  A runtime may keep artifacts built from an entry (the ``qemu`` runtime's ext4 image disk) inside
+  it (:meth:`ImageStore.derived`), so they count towards the cap and go with their entry.
   The total size is capped at ``max_bytes`` with least-recently-used eviction; entries retained by
   a running VM (:meth:`ImageStore.retain`) are never evicted by this process.
 * Concurrent preparation of the same pair runs once per process (an asyncio lock per key) and is
@@ -46,6 +49,7 @@ import shutil
 import stat
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +60,12 @@ from impvm.agent.tools import run_tool
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _POLICY = '{"default": [{"type": "insecureAcceptAnything"}]}\n'
 _INFO = "impvm.json"
+_DERIVED = "derived"
+
+
+class EvictedError(ImageError):
+    """A cache entry was evicted while it was being used for more than one step: prepare it
+    again."""
 
 
 @dataclass(frozen=True)
@@ -127,9 +137,10 @@ class PreparedImage:
 
     ``rootfs``: the directory to use as the guest's ``/`` (never write to it); ``key``: the cache
     key of the (image digest, runner-layer digest) pair; ``image_digest``/``layer_digest``: the
-    verified manifest digests; ``size_bytes``: disk usage of the entry in bytes;
-    ``verified_by``: fingerprint (``sha256:<hex>``) of the key whose signatures cosign checked
-    when pulling, None when the entry was pulled without a signature requirement.
+    verified manifest digests; ``size_bytes``: disk usage of the entry in bytes (its tree and
+    the artifacts derived from it); ``verified_by``: fingerprint (``sha256:<hex>``) of the key
+    whose signatures cosign checked when pulling, None when the entry was pulled without a
+    signature requirement.
     """
 
     rootfs: Path
@@ -298,6 +309,34 @@ class ImageStore:
                 found.append((d.stat().st_mtime, self._load(d.name)))
         return [p for _, p in sorted(found, key=lambda t: t[0])]
 
+    async def derived(
+        self, prepared: PreparedImage, name: str, build: Callable[[Path], Awaitable[None]]
+    ) -> Path:
+        """The artifact ``name`` derived from ``prepared`` (e.g. an image disk), built once by
+        ``build(tmp_path)`` and published read-only (0444) inside the entry, so the size cap
+        counts it and eviction removes it with the entry. The entry is marked most recently used
+        and entries above ``max_bytes`` are evicted afterwards. Raises :class:`ImageError` when
+        ``build`` fails, :class:`EvictedError` when the entry was evicted meanwhile."""
+        lock = self._locks.setdefault(prepared.key, asyncio.Lock())
+        async with lock:  # evict() skips an entry whose lock is held
+            entry = self._images / prepared.key
+            if not (entry / _INFO).exists():
+                raise EvictedError(f"image {prepared.image_digest} was evicted from the cache")
+            path = entry / _DERIVED / name
+            if not path.is_file():
+                path.parent.mkdir(mode=0o700, exist_ok=True)
+                tmp = path.parent / f".{name}.{uuid.uuid4().hex}"
+                try:
+                    await build(tmp)
+                    os.chmod(tmp, 0o444)
+                    os.replace(tmp, path)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        tmp.unlink()
+            self._touch(prepared.key)
+        await self.evict()
+        return path
+
     async def evict(self) -> list[str]:
         """Evict least-recently-used, non-retained entries until the total is within
         ``max_bytes`` (the most recently used entry is always kept). Returns evicted keys."""
@@ -330,12 +369,15 @@ class ImageStore:
     def _load(self, key: str) -> PreparedImage:
         entry = self._images / key
         info = json.loads((entry / _INFO).read_text())
+        derived = 0
+        with contextlib.suppress(FileNotFoundError):
+            derived = sum(p.lstat().st_blocks * 512 for p in (entry / _DERIVED).iterdir())
         return PreparedImage(
             rootfs=entry / "rootfs",
             key=key,
             image_digest=info["image_digest"],
             layer_digest=info["layer_digest"],
-            size_bytes=int(info["size_bytes"]),
+            size_bytes=int(info["size_bytes"]) + derived,
             verified_by=info.get("verified_by"),
         )
 
@@ -355,7 +397,7 @@ class ImageStore:
         if ref.digest is None and not allow_unpinned:
             raise ImageError(
                 f"image reference {image!r} is not pinned by digest; use "
-                f"{ref.name}@sha256:<digest> (seed 003: pull by digest, never by tag)"
+                f"{ref.name}@sha256:<digest> (images are pulled by digest, never by tag)"
             )
         target = ref.pinned if ref.digest else f"{ref.name}:{ref.tag}"
         auth = ["--authfile", str(auth_file)] if auth_file else []

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 from pathlib import Path
 
 from lightkube import AsyncClient
@@ -13,9 +14,11 @@ from lightkube import AsyncClient
 from impvm.agent.agent import Agent, AgentConfig
 from impvm.agent.capacity import Resources
 from impvm.agent.images import ImageStore
+from impvm.agent.network.node import NetworkError, NodeNetwork, host_resolvers
+from impvm.agent.network.ruleset import NetConfig
 from impvm.agent.process import ProcessRuntime
 from impvm.agent.qemu import QemuRuntime, create_qemu_runtime
-from impvm.agent.runtime import Runtime
+from impvm.agent.runtime import Runtime, VMRuntimeError
 
 log = logging.getLogger("impvm.agent")
 
@@ -42,21 +45,21 @@ def make_runtime(
     ro_binds: list[Path],
     qemu_kernel: Path | None = None,
     qemu_accelerator: str = "auto",
+    network: NodeNetwork | None = None,
     cosign: str = "cosign",
 ) -> Runtime:
     """The runtime called ``name``: ``process`` (bubblewrap) or ``qemu`` (a VM per job; finds the
     kernel, builds the guest initramfs and probes the accelerator with real boots, which takes
     seconds). ``qemu_accelerator``: ``auto``, ``kvm`` or ``tcg``. Raises ``ValueError`` for an
-    unknown or unavailable runtime (the message says why). ``cosign``: the binary verifying
-    signed images (run only for VMs whose spec has ``verify``)."""
+    unknown or unavailable runtime (the message says why). ``network``: the node's guest networks
+    (``None``: no isolation, development only). ``cosign``: the binary verifying signed images
+    (run only for VMs whose spec has ``verify``)."""
     store = ImageStore(workdir / "images", image_cache_bytes, insecure_registries, cosign)
     if name == "process":
-        return ProcessRuntime(store, extra_ro_binds=ro_binds)
+        return ProcessRuntime(store, extra_ro_binds=ro_binds, network=network)
     if name == "qemu":
         if qemu_accelerator not in ("auto", "kvm", "tcg"):
             raise ValueError(f"accelerator {qemu_accelerator!r}: want auto, kvm or tcg")
-        from impvm.agent.runtime import RuntimeError_
-
         try:
             rt = asyncio.run(
                 create_qemu_runtime(
@@ -65,9 +68,10 @@ def make_runtime(
                     kernel=qemu_kernel,
                     accelerator=qemu_accelerator,  # type: ignore[arg-type]
                     extra_ro_binds=ro_binds,
+                    network=network,
                 )
             )
-        except RuntimeError_ as exc:
+        except VMRuntimeError as exc:
             raise ValueError(f"runtime 'qemu' is not available: {exc}") from None
         log.info(
             "qemu runtime: kernel %s, accelerator %s (%s)",
@@ -79,8 +83,39 @@ def make_runtime(
     raise ValueError(f"runtime {name!r} is not available (known: process, qemu)")
 
 
-async def run(config: AgentConfig, runtime: Runtime) -> None:
-    """Run the agent until cancelled (credentials from KUBECONFIG or the ServiceAccount)."""
+def make_network(
+    workdir: Path,
+    mode: str,
+    subnet: str,
+    dns: list[str] | None,
+    table: str,
+    prefix: str,
+) -> NodeNetwork | None:
+    """The node's guest networks for ``mode`` ``isolated`` (``None`` for ``host``: guests share
+    the agent's network, development only). ``dns``: resolvers for guests (``None``: the node's
+    own, :func:`host_resolvers`; ``["none"]``: no resolver). Raises ``ValueError`` naming the bad
+    setting."""
+    if mode == "host":
+        log.warning("--guest-network host: VMs are not isolated from this host or each other")
+        return None
+    if mode != "isolated":
+        raise ValueError(f"--guest-network {mode!r}: want isolated or host")
+    if dns is None:
+        dns = host_resolvers()
+        if not dns:
+            log.warning("no resolver for guests found in /etc/resolv.conf; set --guest-dns")
+    elif dns == ["none"]:
+        dns = []
+    cfg = NetConfig(table=table, ifprefix=prefix, subnet=subnet, dns=tuple(dns))
+    log.info("guest networks: subnet %s, table inet %s, resolvers %s", subnet, table, dns)
+    return NodeNetwork(cfg, workdir / "network")
+
+
+async def run(config: AgentConfig, runtime: Runtime, network: NodeNetwork | None = None) -> None:
+    """Run the agent until cancelled (credentials from KUBECONFIG or the ServiceAccount); first
+    rebuild the node's guest networks from what is running."""
+    if network is not None:
+        await network.start()
     kube = AsyncClient(field_manager="impvm-agent")
     try:
         await Agent(kube, runtime, config).run()
@@ -100,11 +135,23 @@ def main(
     lease_namespace: str,
     qemu_kernel: Path | None = None,
     qemu_accelerator: str = "auto",
+    guest_network: str = "isolated",
+    guest_subnet: str = "10.213.0.0/16",
+    guest_dns: list[str] | None = None,
+    network_table: str = "impvm",
+    network_prefix: str = "impvm",
     cosign: str = "cosign",
 ) -> None:
     """Blocking entry point of the CLI."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        network = make_network(
+            workdir, guest_network, guest_subnet, guest_dns, network_table, network_prefix
+        )
+    except ValueError as exc:  # a bad option: one line naming it, exit 2
+        print(f"impvm agent: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     runtime = make_runtime(
         runtime_name,
         workdir,
@@ -113,6 +160,7 @@ def main(
         ro_binds,
         qemu_kernel,
         qemu_accelerator,
+        network,
         cosign,
     )
     config = AgentConfig(
@@ -122,4 +170,7 @@ def main(
         lease_namespace=lease_namespace,
         accelerator=str(runtime.accel) if isinstance(runtime, QemuRuntime) else "none",
     )
-    asyncio.run(run(config, runtime))
+    try:
+        asyncio.run(run(config, runtime, network))
+    except NetworkError as exc:  # the node cannot isolate its VMs: do not run any
+        raise SystemExit(f"impvm agent: guest networks: {exc}") from None

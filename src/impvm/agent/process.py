@@ -3,9 +3,15 @@
 
 Sandbox (per VM):
 
-* own namespaces: ``--unshare-all --share-net`` (user/ipc/pid/uts/cgroup are private; the network
-  is shared so the runner reaches the GitHub stand-in on host loopback), ``--die-with-parent``
-  (VMs die with the agent), ``--new-session`` (no TIOCSTI into the agent's terminal);
+* own namespaces: ``--unshare-all --share-net`` (user/ipc/pid/uts/cgroup are private),
+  ``--die-with-parent`` (VMs die with the agent), ``--new-session`` (no TIOCSTI into the agent's
+  terminal);
+* network: with a node network (:class:`impvm.agent.network.node.NodeNetwork`) bwrap starts
+  inside the VM's own network namespace (``nsenter --net``: a veth pair to the node, NAT, the
+  same egress policy as a QEMU guest; ``/etc/resolv.conf`` names the node's resolvers). The
+  sandbox cannot reconfigure that namespace: it belongs to the agent's user namespace, not the
+  sandbox's. Without one (``--guest-network host``, development only) the sandbox shares the
+  agent's network and reaches everything the host reaches, loopback included;
 * ``/``: the prepared image rootfs, read-only. bwrap cannot create mount points on a read-only
   bind, so ``/`` is bwrap's tmpfs with every top-level entry of the rootfs bound read-only (and
   directories that contain a mount point split the same way), then ``--remount-ro /``;
@@ -18,9 +24,8 @@ Sandbox (per VM):
   ``extra_env``) and ``IMP_GITHUB_JITCONFIG``. The JIT config is passed in the *environment* of
   the bwrap process (bwrap hands its environment to the sandboxed command), never on a command
   line (``--setenv`` would show it in ``/proc/<pid>/cmdline``) and never in a file;
-* console: stdout+stderr to ``<workdir>/console.log`` (mode 0600). :meth:`ProcessRuntime.inspect`
-  returns its tail with the JIT config replaced by ``***`` (defence in depth: the wrapper never
-  prints it, but a guest program might).
+* console: stdout+stderr to ``<workdir>/console.log`` (mode 0600); ``inspect`` returns its tail
+  with the JIT config replaced by ``***``.
 
 Resource limits: ``vcpu``, ``memory_mib`` and ``disk_gib`` are advisory for this runtime and not
 enforced (no cgroup is created: cgroup v2 delegation is not generally available to the agent; the
@@ -31,7 +36,9 @@ real GitHub runner writes ``.runner``/``_diag`` under ``/home/runner/actions-run
 ``qemu`` runtime or a writable bind; the stand-in runner only writes to ``_work`` and ``/tmp``.
 
 State lives in memory (the agent is bwrap's parent and ``--die-with-parent`` ends VMs with it), so
-after an agent restart :meth:`ProcessRuntime.inspect` reports ``missing``.
+after an agent restart ``inspect`` reports ``missing``. Start, wait, tail, stop, cleanup and the
+network attach/detach are :class:`~impvm.agent.runtime_base.RuntimeBase`'s; this module supplies
+the sandbox.
 """
 
 from __future__ import annotations
@@ -40,32 +47,23 @@ import asyncio
 import contextlib
 import json
 import os
-import re
-import shutil
 import signal
 import sys
 import sysconfig
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from impvm.agent.images import ImageStore, PreparedImage, _remove_tree
-from impvm.agent.runtime import (
-    ImageError,
-    RuntimeError_,
-    Secret,
-    VMRequest,
-    VMState,
-    VMStatus,
-)
+from impvm.agent.images import ImageStore, PreparedImage
+from impvm.agent.network.node import GuestNetwork, NodeNetwork
+from impvm.agent.runtime import ImageError, Secret, VMRequest, VMRuntimeError
+from impvm.agent.runtime_base import CONSOLE_LOG, LaunchedVM, RuntimeBase, guest_hostname
 
 RUNNER = "/usr/local/bin/runner"
 WORK_DIR = PurePosixPath("/home/runner/_work")
 TMP_DIR = PurePosixPath("/tmp")  # noqa: S108 - a path inside the sandbox
+RESOLV_CONF = PurePosixPath("/etc/resolv.conf")
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-_LOG = "console.log"
-_TAIL_BYTES = 16384
 
 
 def host_python_binds(python: str | None = None) -> list[Path]:
@@ -89,14 +87,6 @@ def host_python_binds(python: str | None = None) -> list[Path]:
         if not any(c.is_relative_to(o) for o in out):
             out.append(c)
     return out + links
-
-
-def _remove_workdir(workdir: Path) -> None:
-    """Remove a VM's workdir completely (blocking; run in a thread)."""
-    if os.path.lexists(workdir):
-        _remove_tree(workdir)
-    if os.path.lexists(workdir):
-        shutil.rmtree(workdir)
 
 
 def _ancestors(p: PurePosixPath) -> list[PurePosixPath]:
@@ -145,32 +135,29 @@ def _root_args(
 
 
 @dataclass
-class _VM:
-    proc: asyncio.subprocess.Process
-    prepared: PreparedImage
-    secret: str
-    started_at: datetime
-    log: Path
+class _SandboxVM(LaunchedVM):
+    """A bwrap sandbox; ``child_pid``/``pid_ns`` and ``json_exit`` come from bwrap's
+    ``--json-status-fd`` (read by ``status_task``)."""
+
     child_pid: int | None = None
     pid_ns: int | None = None
     json_exit: int | None = None
-    killed: bool = False
-    finished_at: datetime | None = None
-    exit_code: int | None = None
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    status_task: asyncio.Task[None] | None = None
 
 
-class ProcessRuntime:
+class ProcessRuntime(RuntimeBase[_SandboxVM]):
     """:class:`impvm.agent.runtime.Runtime` running each VM in a bubblewrap sandbox (see module
     docstring).
 
     ``store``: the image cache; ``extra_ro_binds``: host paths bound read-only at the same path;
     ``extra_env``: additional non-secret environment for the runner; ``auth_file``: registry auth
     (docker-config style) for pulls; ``bwrap``: the bubblewrap executable; ``tail_lines``: lines
-    returned in :attr:`VMState.log_tail`.
+    returned in :attr:`RuntimeState.log_tail`; ``network``: the node's guest networks (``None``:
+    the sandbox shares the agent's network).
     """
 
     name = "process"
+    network_kind = "netns"
 
     def __init__(
         self,
@@ -181,33 +168,32 @@ class ProcessRuntime:
         auth_file: Path | None = None,
         bwrap: str = "bwrap",
         tail_lines: int = 40,
+        network: NodeNetwork | None = None,
     ) -> None:
-        self.store = store
+        super().__init__(store, auth_file=auth_file, tail_lines=tail_lines, network=network)
         self.extra_ro_binds = [Path(p) for p in extra_ro_binds]
         self.extra_env = dict(extra_env or {})
         if "IMP_GITHUB_JITCONFIG" in self.extra_env:
             raise ValueError("IMP_GITHUB_JITCONFIG is set per VM by start(), not in extra_env")
-        self.auth_file = auth_file
         self.bwrap = bwrap
-        self.tail_lines = tail_lines
-        self._prepared: dict[str, PreparedImage] = {}
-        self._vms: dict[str, _VM] = {}
 
-    async def prepare(self, req: VMRequest) -> None:
-        """Pull/verify/unpack ``req.image`` + ``req.runner_layer`` through the store (cached).
-        Raises :class:`ImageError`."""
-        self._prepared[req.vm_id] = await self.store.prepare(
-            req.image,
-            req.runner_layer,
-            allow_unpinned=req.allow_unpinned_images,
-            auth_file=self.auth_file,
-            public_key=req.verify_public_key,
-        )
-
-    def _bwrap_args(self, req: VMRequest, prepared: PreparedImage, status_fd: int) -> list[str]:
+    def _bwrap_args(
+        self,
+        req: VMRequest,
+        prepared: PreparedImage,
+        status_fd: int,
+        net: GuestNetwork | None = None,
+    ) -> list[str]:
+        """bwrap's command line for one VM (see the module docstring); ``status_fd`` gets
+        bwrap's JSON status stream; with ``net`` bwrap runs in the VM's network namespace."""
         scratch = req.workdir / "scratch"
         binds: list[str] = []
         mounts = {PurePosixPath("/proc"), PurePosixPath("/dev"), TMP_DIR, WORK_DIR}
+        enter: list[str] = []
+        if net is not None and net.netns is not None:
+            enter = ["nsenter", f"--net={net.netns}", "--"]
+            mounts.add(RESOLV_CONF)
+            binds += ["--ro-bind", str(req.workdir / "resolv.conf"), str(RESOLV_CONF)]
         symlinks: dict[PurePosixPath, str] = {}
         for p in self.extra_ro_binds:
             dest = PurePosixPath(str(p))
@@ -216,15 +202,15 @@ class ProcessRuntime:
             elif p.exists():
                 mounts.add(dest)
                 binds += ["--ro-bind", str(p), str(dest)]
-        hostname = re.sub(r"[^a-z0-9-]", "-", req.name.lower())[:63].strip("-") or "impvm"
         return [
+            *enter,
             self.bwrap,
             "--unshare-all",
             "--share-net",
             "--die-with-parent",
             "--new-session",
             "--hostname",
-            hostname,
+            guest_hostname(req),
             *_root_args(prepared.rootfs, mounts, symlinks),
             "--proc",
             "/proc",
@@ -247,24 +233,21 @@ class ProcessRuntime:
             RUNNER,
         ]
 
-    async def start(self, req: VMRequest, jitconfig: Secret) -> None:
+    async def _launch(
+        self, req: VMRequest, prepared: PreparedImage, jitconfig: Secret, net: GuestNetwork | None
+    ) -> _SandboxVM:
         """Launch the sandbox running ``/usr/local/bin/runner`` with ``IMP_GITHUB_JITCONFIG`` in
-        its environment only. Prepares the image first when :meth:`prepare` was not called.
-        Raises :class:`RuntimeError_` when the VM already runs or bwrap cannot be started (the
-        message never contains the JIT config)."""
-        if req.vm_id in self._vms and self._vms[req.vm_id].exit_code is None:
-            raise RuntimeError_(f"VM {req.vm_id} is already running")
-        prepared = self._prepared.get(req.vm_id)
-        if prepared is None or not prepared.rootfs.is_dir():
-            await self.prepare(req)
-            prepared = self._prepared[req.vm_id]
+        its environment only, in ``net``'s namespace (its resolvers in ``/etc/resolv.conf``).
+        Raises :class:`VMRuntimeError` when bwrap cannot be started."""
         req.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(req.workdir, 0o700)
         for d in ("scratch/tmp", "scratch/work"):
             (req.workdir / d).mkdir(mode=0o700, parents=True, exist_ok=True)
         # /tmp semantics inside the sandbox; the parent workdir is 0700.
         os.chmod(req.workdir / "scratch/tmp", 0o1777)  # noqa: S103
-        log = req.workdir / _LOG
+        if net is not None:
+            resolv = "".join(f"nameserver {d}\n" for d in net.dns)
+            await asyncio.to_thread((req.workdir / "resolv.conf").write_text, resolv)
         env = {
             "PATH": _PATH,
             "HOME": "/home/runner",
@@ -274,12 +257,12 @@ class ProcessRuntime:
             "IMP_GITHUB_JITCONFIG": jitconfig.reveal(),
         }
         rfd, wfd = os.pipe()
-        logfd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        self.store.retain(prepared.key)
+        logfd = os.open(
+            req.workdir / CONSOLE_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
+        )
         try:
-            args = self._bwrap_args(req, prepared, wfd)
             proc = await asyncio.create_subprocess_exec(
-                *args,
+                *self._bwrap_args(req, prepared, wfd, net),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=logfd,
                 stderr=logfd,
@@ -287,24 +270,19 @@ class ProcessRuntime:
                 pass_fds=(wfd,),
             )
         except OSError as exc:
-            self.store.release(prepared.key)
             os.close(rfd)
-            raise RuntimeError_(f"starting bwrap for VM {req.vm_id} failed: {exc}") from None
+            raise VMRuntimeError(f"starting bwrap for VM {req.vm_id} failed: {exc}") from None
         finally:
             os.close(wfd)
             os.close(logfd)
-        vm = _VM(
-            proc=proc,
-            prepared=prepared,
-            secret=jitconfig.reveal(),
-            started_at=datetime.now(UTC),
-            log=log,
+        vm = _SandboxVM(
+            proc=proc, prepared=prepared, secret=jitconfig.reveal(), workdir=req.workdir
         )
-        self._vms[req.vm_id] = vm
-        vm.tasks.append(asyncio.create_task(self._read_status(vm, rfd)))
-        vm.tasks.append(asyncio.create_task(self._wait(vm)))
+        vm.status_task = asyncio.create_task(self._read_status(vm, rfd))
+        vm.tasks.append(vm.status_task)
+        return vm
 
-    async def _read_status(self, vm: _VM, rfd: int) -> None:
+    async def _read_status(self, vm: _SandboxVM, rfd: int) -> None:
         """Read bwrap's ``--json-status-fd`` stream: child pid/pid namespace, then exit code."""
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
@@ -323,7 +301,9 @@ class ProcessRuntime:
         finally:
             transport.close()
 
-    def _apply_status(self, vm: _VM, obj: object) -> None:
+    def _apply_status(self, vm: _SandboxVM, obj: object) -> None:
+        """Take one ``--json-status-fd`` object: the child pid and pid namespace, or the exit
+        code."""
         if not isinstance(obj, dict):
             return
         if "child-pid" in obj:
@@ -332,55 +312,21 @@ class ProcessRuntime:
         if "exit-code" in obj:
             vm.json_exit = int(obj["exit-code"])
 
-    async def _wait(self, vm: _VM) -> None:
-        rc = await vm.proc.wait()
-        # Let the status reader see the final line (the pipe closes when bwrap exits).
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(vm.tasks[0]), 2.0)
-        if vm.killed or rc < 0:
-            vm.exit_code = -1
-        elif vm.json_exit is not None:
-            vm.exit_code = vm.json_exit
-        else:
-            vm.exit_code = rc
-        vm.finished_at = datetime.now(UTC)
+    async def _exit_code(self, vm: _SandboxVM, returncode: int) -> int:
+        """bwrap's report of the runner's exit (-1 when killed); bwrap's own status without it."""
+        if vm.status_task is not None:
+            # Let the status reader see the final line (the pipe closes when bwrap exits).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(vm.status_task), 2.0)
+        if vm.killed or returncode < 0:
+            return -1
+        return vm.json_exit if vm.json_exit is not None else returncode
 
-    def _scrub(self, text: str, secret: str) -> str:
-        return text.replace(secret, "***") if secret else text
+    async def _runner_started(self, vm: _SandboxVM) -> bool:
+        """The sandbox is set up (bwrap reported its child) and runs the runner."""
+        return vm.child_pid is not None
 
-    def _tail(self, vm: _VM) -> str:
-        try:
-            with vm.log.open("rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - _TAIL_BYTES))
-                data = f.read()
-        except OSError:
-            return ""
-        lines = data.decode(errors="replace").splitlines()[-self.tail_lines :]
-        return self._scrub("\n".join(lines), vm.secret)
-
-    async def inspect(self, req: VMRequest) -> VMState:
-        """Status ``starting`` (bwrap launched, sandbox not yet set up), ``running``, ``exited``
-        (``exit_code``: the runner's exit status; -1 when killed) or ``missing`` (unknown to this
-        runtime instance). ``log_tail``: last ``tail_lines`` console lines, JIT config scrubbed."""
-        vm = self._vms.get(req.vm_id)
-        if vm is None:
-            return VMState(status="missing")
-        exited = vm.exit_code is not None  # before reading: an exited VM's log is complete
-        tail = await asyncio.to_thread(self._tail, vm)
-        if exited:
-            return VMState(
-                status="exited",
-                exit_code=vm.exit_code,
-                started_at=vm.started_at,
-                finished_at=vm.finished_at,
-                log_tail=tail,
-            )
-        status: VMStatus = "running" if vm.child_pid is not None else "starting"
-        return VMState(status=status, started_at=vm.started_at, log_tail=tail)
-
-    def _namespace_pids(self, vm: _VM) -> list[int]:
+    def _namespace_pids(self, vm: _SandboxVM) -> list[int]:
         """Host pids of the processes in the VM's pid namespace, except its init (bwrap)."""
         if vm.pid_ns is None:
             return []
@@ -394,42 +340,24 @@ class ProcessRuntime:
                     pids.append(int(entry))
         return pids
 
-    async def stop(self, req: VMRequest, grace_seconds: float = 10.0) -> None:
-        """SIGTERM every process of the sandbox (not its init), then after ``grace_seconds``
-        SIGKILL bwrap (``--die-with-parent`` tears the namespace down). Idempotent."""
-        vm = self._vms.get(req.vm_id)
-        if vm is None or vm.proc.returncode is not None:
-            if vm is not None:
-                await asyncio.gather(*vm.tasks, return_exceptions=True)
-            return
-        if grace_seconds > 0:
-            pids = await asyncio.to_thread(self._namespace_pids, vm)
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-            if not pids:
-                with contextlib.suppress(ProcessLookupError):
-                    vm.proc.terminate()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(vm.proc.wait()), grace_seconds)
-        if vm.proc.returncode is None:
-            vm.killed = True
+    async def _ask_to_stop(self, vm: _SandboxVM) -> None:
+        """SIGTERM every process of the sandbox (not its init); bwrap itself when none is
+        known yet."""
+        pids = await asyncio.to_thread(self._namespace_pids, vm)
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
-                vm.proc.kill()
-            if vm.child_pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(vm.child_pid, signal.SIGKILL)
-        await asyncio.gather(*vm.tasks, return_exceptions=True)
+                os.kill(pid, signal.SIGTERM)
+        if not pids:
+            with contextlib.suppress(ProcessLookupError):
+                vm.proc.terminate()
 
-    async def cleanup(self, req: VMRequest) -> None:
-        """Stop the VM if needed (no grace), release its image, remove ``req.workdir`` (scratch,
-        console log) and forget the VM and its JIT config. Idempotent."""
-        await self.stop(req, grace_seconds=0)
-        vm = self._vms.pop(req.vm_id, None)
-        if vm is not None:
-            self.store.release(vm.prepared.key)
-        self._prepared.pop(req.vm_id, None)
-        await asyncio.to_thread(_remove_workdir, req.workdir)
+    def _kill(self, vm: _SandboxVM) -> None:
+        """SIGKILL bwrap and the sandbox's init (``--die-with-parent`` tears the namespace
+        down)."""
+        super()._kill(vm)
+        if vm.child_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(vm.child_pid, signal.SIGKILL)
 
 
 __all__ = ["ImageError", "ProcessRuntime", "host_python_binds"]

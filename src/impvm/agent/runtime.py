@@ -3,8 +3,8 @@ VM. Implementations: ``process`` (bubblewrap sandbox, :mod:`impvm.agent.process`
 (microVM, a later issue).
 
 A runtime is handed the JIT config only in :meth:`Runtime.start` and passes it to the guest at
-launch and nowhere else (seed 001: "It passes that configuration directly to the guest runner at
-launch time. The configuration must not be placed in the VM manifest, the base image, or logs.").
+launch and nowhere else (the runner image contract: the configuration is passed directly to the
+guest runner at launch time, never placed in the VM manifest, the base image, or logs).
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
+from impvm.agent.network.policy import EgressLayer
 
-class RuntimeError_(Exception):
+
+class VMRuntimeError(Exception):
     """A runtime could not do what was asked. The message never contains the JIT config."""
 
 
-class ImageError(RuntimeError_):
+class ImageError(VMRuntimeError):
     """An image could not be pulled, verified or unpacked (bad reference, digest mismatch, ...)."""
 
 
@@ -45,7 +47,9 @@ class VMRequest:
 
     ``vm_id`` is stable and unique per ImpVM (``<namespace>.<name>.<uid prefix>``); the runtime
     keeps all per-VM state under ``workdir`` (private to this VM, mode 0700, removed by
-    :meth:`Runtime.cleanup`). Sizes: ``memory_mib`` in MiB, ``disk_gib`` in GiB.
+    :meth:`Runtime.cleanup`). Sizes: ``memory_mib`` in MiB, ``disk_gib`` in GiB. ``egress``: the
+    egress policy layers of its network (:mod:`impvm.agent.network.policy`; empty: the default
+    public layer), enforced where the runtime has a node network.
     ``verify_public_key``: PEM public key whose sigstore signatures the image and runner layer
     must carry (``ImpVM.spec.verify.publicKey``); None: no signature requirement.
     """
@@ -60,14 +64,26 @@ class VMRequest:
     memory_mib: int
     disk_gib: int
     workdir: Path
+    egress: tuple[EgressLayer, ...] = ()
     verify_public_key: str | None = None
 
 
-VMStatus = Literal["starting", "running", "exited", "missing"]
+RuntimeStatus = Literal["starting", "running", "exited", "missing"]
 
 
 @dataclass(frozen=True)
-class VMState:
+class Verification:
+    """The signature check of a VM's image and runner layer, as its ``ImageVerified`` condition
+    reports it (:mod:`impvm.agent.signing`): ``verified`` (the condition's status), ``reason``
+    (``Verified`` or why it was refused) and ``message`` (naming the image and the key)."""
+
+    verified: bool
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RuntimeState:
     """What a runtime observes of one VM.
 
     ``status``: starting (launched, runner not yet started), running (the runner process runs),
@@ -76,11 +92,16 @@ class VMState:
     scrubbed of the JIT config.
     """
 
-    status: VMStatus
+    status: RuntimeStatus
     exit_code: int | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
     log_tail: str = ""
+
+    @property
+    def active(self) -> bool:
+        """The VM still runs (launched and not yet exited): it must be stopped before cleanup."""
+        return self.status in ("starting", "running")
 
 
 @runtime_checkable
@@ -97,10 +118,10 @@ class Runtime(Protocol):
 
     async def start(self, req: VMRequest, jitconfig: Secret) -> None:
         """Launch the VM; its ``/usr/local/bin/runner`` gets ``IMP_GITHUB_JITCONFIG`` from
-        ``jitconfig`` and nothing else ever sees it. Raises :class:`RuntimeError_`."""
+        ``jitconfig`` and nothing else ever sees it. Raises :class:`VMRuntimeError`."""
         ...
 
-    async def inspect(self, req: VMRequest) -> VMState:
+    async def inspect(self, req: VMRequest) -> RuntimeState:
         """Observe the VM (never raises for a VM that is simply gone: status ``missing``)."""
         ...
 

@@ -47,12 +47,10 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 
-from impvm.agent.runtime import ImageError, VMRequest
-from impvm.api.times import k8s_time
+from impvm.agent.runtime import ImageError, Verification, VMRequest
 
 #: Condition type on ImpVM.status a signature check reports in (Kubernetes API conventions).
 CONDITION_TYPE = "ImageVerified"
@@ -253,28 +251,19 @@ class Verifier:
         )
 
 
-def image_verified_status(req: VMRequest, err: SignatureError | None = None) -> dict[str, Any]:
-    """The ``status`` fields reporting the signature check of ``req`` in the ``ImageVerified``
-    condition: ``{}`` when the VM requires no signature; False with ``err.reason`` and a message
-    naming the refused image when ``err`` is given; else True naming the verified image(s) and
-    the key. (ImpVM conditions are written by the agent only, so the list is replaced whole.)"""
+def verification(req: VMRequest, err: SignatureError | None = None) -> Verification | None:
+    """The outcome of the signature check of ``req`` for its ``ImageVerified`` condition: None
+    when the VM requires no signature; refused with ``err.reason`` and a message naming the
+    refused image when ``err`` is given; else verified, naming the image(s) and the key."""
     if err is None and not req.verify_public_key:
-        return {}
+        return None
     if err is not None:
-        status, reason, message = "False", err.reason, str(err)
-    else:
-        assert req.verify_public_key is not None
-        fingerprint = key_fingerprint(req.verify_public_key)[0]
-        images = [f"image {req.image}"]
-        if req.runner_layer:
-            images.append(f"runner layer {req.runner_layer}")
-        status, reason = "True", VERIFIED
-        message = f"{' and '.join(images)} signed by key {fingerprint}"
-    condition = {
-        "type": CONDITION_TYPE,
-        "status": status,
-        "reason": reason,
-        "message": message[:1024],
-        "lastTransitionTime": k8s_time(),
-    }
-    return {"conditions": [condition]}
+        return Verification(False, err.reason, str(err)[:1024])
+    assert req.verify_public_key is not None
+    fingerprint = key_fingerprint(req.verify_public_key)[0]
+    images = [f"image {req.image}"]
+    if req.runner_layer:
+        images.append(f"runner layer {req.runner_layer}")
+    return Verification(
+        True, VERIFIED, f"{' and '.join(images)} signed by key {fingerprint}"[:1024]
+    )

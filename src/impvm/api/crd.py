@@ -58,6 +58,8 @@ def _structural(node: Any, defs: dict[str, Any], rules: dict[str, list[dict[str,
     if "$ref" in node:
         name = node.pop("$ref").rsplit("/", 1)[-1]
         target = copy.deepcopy(defs[name])
+        if "enum" in target:
+            target.pop("description", None)  # an enum class's docstring is not the field's
         target.update(node)  # keep the field's own description
         node = target
     if "anyOf" in node:
@@ -109,6 +111,9 @@ def openapi_schema(kind: type[ApiModel]) -> dict[str, Any]:
             **props,
         },
     }
+    object_rules = getattr(kind, "object_rules", None)
+    if object_rules:
+        schema["x-kubernetes-validations"] = list(object_rules)
     return schema
 
 
@@ -124,6 +129,9 @@ def crd(kind: type[ApiModel]) -> dict[str, Any]:
     }
     if "status" in kind.model_fields:
         version["subresources"] = {"status": {}}
+    fields = getattr(kind, "selectable_fields", None)
+    if fields:
+        version["selectableFields"] = fields
     columns = getattr(kind, "printer_columns", None)
     if columns:
         version["additionalPrinterColumns"] = columns

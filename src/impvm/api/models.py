@@ -5,14 +5,15 @@ The CustomResourceDefinitions in ``deploy/crds/`` are rendered from these models
 in CEL rules (``x-kubernetes-validations``) attached here with :func:`cel`, so the kube-apiserver
 enforces it; the pydantic validators only parse what the API server already accepted.
 
-Field names follow the seeds (``../shared/seeds/000_e4e8de15731273f5.txt`` and
-``001_1237d569728ff113.txt``); runner and job fields follow ARC's EphemeralRunner status.
+Field names are the project's fixed interfaces (docs/architecture.md); runner and job fields
+follow ARC's EphemeralRunner status.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, ClassVar, Literal
+from enum import StrEnum
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -21,19 +22,31 @@ GROUP = "imp.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-#: Label on every VM of a pool (DESIGN.md, fixed interfaces).
+#: Label on every VM of a pool (docs/architecture.md, fixed interfaces).
 POOL_LABEL = "imp.dev/runner-pool"
 #: Annotation on a pool holding an external demand signal (an integer).
 DEMAND_ANNOTATION = "imp.dev/runner-demand"
 #: Finalizer a node agent puts on a VM it claimed; released once the VM's runtime is cleaned up
 #: (or by the operator when the VM's node is lost).
 AGENT_FINALIZER = "imp.dev/agent"
-#: Namespace of the agents' Leases (liveness and capacity).
+#: Default namespace of the agents' Leases (liveness and capacity); ``impvm agent
+#: --lease-namespace`` may choose another, so the operator finds them by label.
 AGENT_LEASE_NAMESPACE = "impvm-system"
 #: Name prefix of an agent's Lease; the rest is the node name.
 AGENT_LEASE_PREFIX = "impvm-agent-"
+#: Label (key, value) on every agent Lease.
+AGENT_LEASE_LABEL = ("app.kubernetes.io/name", "impvm-agent")
+#: Annotation on a pool VM: hash of what its template made it from (image, runner layer, class
+#: and its size, deadline). A VM whose hash differs from the pool's current one is outdated and
+#: is replaced while idle (like ARC's ``ephemeralRunnerSetIntegrityHash``).
+TEMPLATE_HASH_ANNOTATION = "imp.dev/template-hash"
+#: Longest pool name: it is the value of the ``imp.dev/runner-pool`` label (Kubernetes caps
+#: label values at 63 characters).
+MAX_POOL_NAME = 63
 #: Key of the JIT config in the Secret owned by a VM.
 JIT_SECRET_KEY = "jitconfig"
+#: Key of the webhook secret in the Secret named by ``scaling.webhook.secretRef``.
+WEBHOOK_SECRET_KEY = "webhook_secret"
 
 #: ``name@sha256:<64 hex>``: an OCI reference pinned by digest (seed 003: pull by digest).
 DIGEST_REF_PATTERN = r"^[^@[:space:]]+@sha256:[0-9a-f]{64}$"
@@ -44,8 +57,28 @@ NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 #: Go duration string as understood by CEL's ``duration()`` (e.g. ``90s``, ``1h30m``, ``0s``).
 DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$"
 
-Phase = Literal["Pending", "Scheduled", "Starting", "Running", "Succeeded", "Failed", "Terminating"]
-TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+
+class PoolKey(NamedTuple):
+    """A pool's identity: ``(namespace, name)``. A tuple, so ``("ns", "pool")`` compares equal."""
+
+    namespace: str
+    name: str
+
+
+class VMPhase(StrEnum):
+    """``ImpVM.status.phase``. Values are the wire strings (and the CRD enum)."""
+
+    PENDING = "Pending"
+    SCHEDULED = "Scheduled"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    TERMINATING = "Terminating"
+
+
+#: Phases a VM never leaves: its runner is done (each runner is single-use).
+TERMINAL_PHASES: frozenset[VMPhase] = frozenset({VMPhase.SUCCEEDED, VMPhase.FAILED})
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, Any]:
@@ -124,6 +157,87 @@ _CONDITIONS_DESC = "Latest observations of the object's state (Kubernetes API co
 
 
 # --------------------------------------------------------------------------------------------
+# Network egress policy (ImpVMClass, ImpVMRunnerPool, ImpVM)
+
+
+class EgressPort(ApiModel):
+    """A destination port or port range (the shape of Kubernetes NetworkPolicyPort)."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            "!has(self.endPort) || self.endPort >= self.port",
+            "network.egress.allow[].ports[].endPort must be at least port",
+            ".endPort",
+        ),
+    ]
+
+    protocol: Literal["TCP", "UDP"] = Field(default="TCP", description="TCP (default) or UDP.")
+    port: int = Field(ge=1, le=65535, description="Destination port (the first of a range).")
+    end_port: int | None = Field(
+        default=None, ge=1, le=65535, description="Last port of the range (inclusive)."
+    )
+
+
+class EgressRule(ApiModel):
+    """One allowed destination: an IPv4 CIDR and, optionally, ports (none: every port of every
+    protocol)."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            "isCIDR(self.cidr) && cidr(self.cidr).ip().family() == 4",
+            "network.egress.allow[].cidr must be an IPv4 CIDR such as 203.0.113.0/24 (guests "
+            "have no IPv6 egress)",
+            ".cidr",
+        ),
+        cel(
+            "!isCIDR(self.cidr) || cidr(self.cidr) == cidr(self.cidr).masked()",
+            "network.egress.allow[].cidr has host bits set (write the network address, e.g. "
+            "10.0.0.0/8 rather than 10.0.0.1/8)",
+            ".cidr",
+        ),
+    ]
+
+    cidr: str = Field(
+        min_length=9, max_length=18, description="Destination network, IPv4 CIDR (a.b.c.d/n)."
+    )
+    ports: list[EgressPort] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Destination ports; empty: every port and protocol.",
+    )
+
+
+class EgressPolicy(ApiModel):
+    """What a VM may reach beyond itself. Whatever this says, a guest never reaches an address
+    of its node nor another VM; DNS to the node's configured resolvers is always answered."""
+
+    policy: Literal["public", "allowlist"] = Field(
+        default="public",
+        description="public: every public address, and of the private, link-local "
+        "(169.254.169.254 metadata included), CGNAT and loopback ranges only what allow lists; "
+        "allowlist: only what allow lists.",
+    )
+    allow: list[EgressRule] = Field(
+        default_factory=list, max_length=256, description="Destinations let through."
+    )
+    audit: bool = Field(
+        default=False,
+        description="Log what this policy would drop (kernel log, prefix 'impvm audit "
+        "<layer> <namespace>/<vm>: ') and let it through, to build an allowlist before enforcing.",
+    )
+
+
+class NetworkSpec(ApiModel):
+    """The network of a VM: its own interface, NAT to the node's uplink, an egress policy."""
+
+    egress: EgressPolicy | None = Field(
+        default=None,
+        description="Egress policy. On the ImpVMClass it binds every VM of the class; on a pool "
+        "(copied to its VMs) it narrows that further: a packet must pass both.",
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # ImpVMClass (cluster-scoped)
 
 
@@ -136,6 +250,11 @@ class ImpVMClassSpec(ApiModel):
     )
     disk_gib: int = Field(
         alias="diskGiB", ge=1, le=65536, description="Size of the VM's writable disk in GiB."
+    )
+    network: NetworkSpec | None = Field(
+        default=None,
+        description="Network of every VM of this class (set by the cluster admin); default: "
+        "egress policy public.",
     )
 
 
@@ -678,6 +797,11 @@ class ImpVMRunnerPoolSpec(ApiModel):
         json_schema_extra={"x-kubernetes-validations": [_expire_after_rule("expireAfter")]},
     )
     reaper: ReaperSpec | None = Field(default=None, description="Reaper for stuck runners.")
+    network: NetworkSpec | None = Field(
+        default=None,
+        description="Network of the pool's VMs (copied to each VM); its egress policy applies "
+        "on top of the class's.",
+    )
 
 
 class PollStatus(ApiModel):
@@ -729,6 +853,12 @@ class ImpVMRunnerPoolStatus(ApiModel):
     pending_jobs: int | None = Field(
         default=None, ge=0, description="Queued matching jobs not yet assigned a runner."
     )
+    outdated: int | None = Field(
+        default=None,
+        ge=0,
+        description="VMs made from an older template (image, runner layer or class); idle ones "
+        "are replaced, busy ones finish their job first.",
+    )
     last_scale_up_time: datetime | None = Field(default=None)
     last_poll: PollStatus | None = Field(default=None)
     warm_pool: WarmPoolStatus | None = Field(default=None, description="Warm pool estimates.")
@@ -746,12 +876,25 @@ class ImpVMRunnerPool(ApiModel):
     plural: ClassVar[str] = "impvmrunnerpools"
     short_names: ClassVar[list[str]] = ["imprp"]
     namespaced: ClassVar[bool] = True
+    #: Rules on the whole object (only metadata.name and generateName are visible to them).
+    object_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            f"size(self.metadata.name) <= {MAX_POOL_NAME}",
+            f"metadata.name: a pool name is at most {MAX_POOL_NAME} characters (it is the value "
+            "of the imp.dev/runner-pool label on its VMs)",
+        )
+    ]
     printer_columns: ClassVar[list[dict[str, Any]]] = [
         {"name": "Platform", "type": "string", "jsonPath": ".spec.platform.type"},
         {"name": "Template", "type": "string", "jsonPath": ".spec.templateName"},
         {"name": "Idle", "type": "integer", "jsonPath": ".status.idle"},
         {"name": "Busy", "type": "integer", "jsonPath": ".status.busy"},
         {"name": "Desired", "type": "integer", "jsonPath": ".status.desired"},
+        {
+            "name": "Ready",
+            "type": "string",
+            "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+        },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
 
@@ -799,6 +942,12 @@ class ImpVMSpec(ApiModel):
             "verify cannot be added, changed or removed after the VM is created",
             ".verify",
         ),
+        cel(
+            "has(self.network) == has(oldSelf.network) && "
+            "(!has(self.network) || self.network == oldSelf.network)",
+            "network cannot be changed once the VM exists",
+            ".network",
+        ),
     ]
 
     class_ref: LocalObjectReference = Field(description="The ImpVMClass giving the VM's size.")
@@ -829,12 +978,17 @@ class ImpVMSpec(ApiModel):
         default=None,
         description="Signature requirement copied from the template (immutable); unset: none.",
     )
+    network: NetworkSpec | None = Field(
+        default=None,
+        description="Network of this VM (from its pool); its egress policy applies on top of "
+        "the class's. Fixed once the VM exists.",
+    )
 
 
 class ImpVMStatus(ApiModel):
     """Observed state of a VM."""
 
-    phase: Phase | None = Field(default=None, description="Lifecycle phase.")
+    phase: VMPhase | None = Field(default=None, description="Lifecycle phase.")
     node_name: str | None = Field(default=None, description="Node running the VM.")
     runner: RunnerStatus | None = None
     job: JobStatus | None = None
@@ -865,6 +1019,8 @@ class ImpVM(ApiModel):
         {"name": "Runner", "type": "string", "jsonPath": ".status.runner.name"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
+    #: Fields a list/watch may select on (a node agent watches ``spec.nodeName=<node>`` and ``=``).
+    selectable_fields: ClassVar[list[dict[str, str]]] = [{"jsonPath": ".spec.nodeName"}]
 
     spec: ImpVMSpec
     status: ImpVMStatus | None = None

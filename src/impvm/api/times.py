@@ -1,8 +1,18 @@
-"""Timestamps as Kubernetes writes them (``metav1.Time``: RFC 3339, UTC, whole seconds)."""
+"""Timestamps as Kubernetes writes them (``metav1.Time``: RFC 3339, UTC, whole seconds) and the
+one clock a component reads.
+
+A :class:`Clock` gives both readings a component needs from one source: ``monotonic()`` (seconds,
+for delays: backoff, poll intervals, caches) and ``now()`` (a timezone-aware UTC datetime, for
+what is compared with Kubernetes timestamps: cooldown, bootstrap timeouts, Lease expiry). A test
+that moves the clock moves both.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+import time
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 
 def utcnow() -> dt.datetime:
@@ -13,3 +23,53 @@ def utcnow() -> dt.datetime:
 def k8s_time(t: dt.datetime | None = None) -> str:
     """``t`` (default: now) as ``2026-11-30T12:00:00Z``."""
     return (t or utcnow()).astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """Monotonic seconds and wall time from one source."""
+
+    def monotonic(self) -> float:
+        """Seconds on a clock that never goes back (only differences mean anything)."""
+        ...
+
+    def now(self) -> dt.datetime:
+        """Wall time, timezone-aware (UTC)."""
+        ...
+
+
+class SystemClock:
+    """The host's clocks: ``time.monotonic`` and the UTC wall clock."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def now(self) -> dt.datetime:
+        return utcnow()
+
+
+class DerivedClock:
+    """Wall time derived from a monotonic source: ``now()`` is the wall time at construction
+    plus the seconds ``monotonic`` has advanced since. Inject a controllable ``monotonic``
+    (a test's fake clock) and both readings move together."""
+
+    def __init__(self, monotonic: Callable[[], float]) -> None:
+        self._monotonic = monotonic
+        self._anchor_mono = monotonic()
+        self._anchor_wall = utcnow()
+
+    def monotonic(self) -> float:
+        return self._monotonic()
+
+    def now(self) -> dt.datetime:
+        return self._anchor_wall + dt.timedelta(seconds=self._monotonic() - self._anchor_mono)
+
+
+def as_clock(source: Clock | Callable[[], float] | None) -> Clock:
+    """A :class:`Clock` from a clock, a bare monotonic function (see :class:`DerivedClock`) or
+    None (the system clock)."""
+    if source is None:
+        return SystemClock()
+    if isinstance(source, Clock):
+        return source
+    return DerivedClock(source)

@@ -4,7 +4,9 @@
 Binaries are found through ``KUBEBUILDER_ASSETS`` (the envtest convention) or built once from Go
 modules by ``assets/build-control-plane.sh`` into ``~/.cache/impvm/control-plane/``. Flags follow
 controller-runtime's envtest. Certificates (CA, serving, admin client with ``system:masters``) and
-the service-account signing key are generated per start with ``cryptography``.
+the service-account signing key are generated with ``cryptography``: per start for a throwaway
+control plane, once for a ``persistent`` one (``impvm up``), which also keeps its ports and etcd's
+data (written with fsync) in ``workdir`` so a restart, or a reboot, carries on where it stopped.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import atexit
 import datetime as dt
 import ipaddress
+import json
 import os
 import shutil
 import socket
@@ -93,6 +96,7 @@ def _cert(
     ca: bool = False,
     server: bool = False,
     client: bool = False,
+    days: int = 30,
 ) -> x509.Certificate:
     now = dt.datetime.now(dt.UTC)
     b = (
@@ -102,7 +106,7 @@ def _cert(
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=30))
+        .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if server:
@@ -141,11 +145,37 @@ def _cert(
     return b.sign(issuer_key, hashes.SHA256())
 
 
-def _name(cn: str, org: str | None = None) -> x509.Name:
+def _name(cn: str, org: str | list[str] | None = None) -> x509.Name:
+    """A subject; Kubernetes reads the user from CN and the groups from each O."""
     attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
-    if org:
-        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+    for o in [org] if isinstance(org, str) else org or []:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, o))
     return x509.Name(attrs)
+
+
+#: validity of a persistent control plane's certificates (days); leaf certificates are issued
+#: again at a start when fewer than RENEW_DAYS remain
+CA_DAYS = 3650
+LEAF_DAYS = 365
+RENEW_DAYS = 30
+
+
+def _fresh(cert_path: Path, key_path: Path) -> bool:
+    """Whether a certificate and its key exist and the certificate is valid for RENEW_DAYS
+    more days."""
+    if not (cert_path.is_file() and key_path.is_file()):
+        return False
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    left = cert.not_valid_after_utc - dt.datetime.now(dt.UTC)
+    return left > dt.timedelta(days=RENEW_DAYS)
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` readable by its owner only (created with that mode)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, 0o600)
 
 
 @dataclass
@@ -160,9 +190,17 @@ class ControlPlane:
     workdir: Path
     assets: Path | None = None
     timeout: float = 90.0
+    #: kube-apiserver port; 0: a free one (chosen once and kept when ``persistent``)
     api_port: int = 0
     etcd_port: int = 0
+    #: kube-apiserver's --bind-address (0.0.0.0: every host address, kube-apiserver's default)
+    bind_address: str = "127.0.0.1"
+    #: keep certificates, ports and etcd data across starts (``impvm up``)
+    persistent: bool = False
+    #: fsync etcd's writes (off for throwaway test data, where it only costs time)
+    etcd_fsync: bool = False
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _argv: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     @property
     def url(self) -> str:
@@ -178,37 +216,91 @@ class ControlPlane:
     def kubeconfig(self) -> Path:
         return self.workdir / "kubeconfig"
 
-    def _write_pki(self) -> None:
-        pki = self.workdir / "pki"
-        pki.mkdir(parents=True, exist_ok=True)
-        ca_key = _key()
-        ca_name = _name("impvm-test-ca")
-        ca = _cert(ca_name, ca_key, ca_name, ca_key, ca=True)
-        srv_key = _key()
-        srv = _cert(_name("kube-apiserver"), srv_key, ca_name, ca_key, server=True)
-        adm_key = _key()
-        adm = _cert(_name("impvm-admin", "system:masters"), adm_key, ca_name, ca_key, client=True)
-        sa_key = _key()
-        files = {
-            "ca.crt": ca.public_bytes(serialization.Encoding.PEM),
-            "ca.key": _pem_key(ca_key),
-            "apiserver.crt": srv.public_bytes(serialization.Encoding.PEM),
-            "apiserver.key": _pem_key(srv_key),
-            "admin.crt": adm.public_bytes(serialization.Encoding.PEM),
-            "admin.key": _pem_key(adm_key),
-            "sa.key": _pem_key(sa_key),
-            "sa.pub": sa_key.public_key().public_bytes(
-                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-            ),
-        }
-        for name, data in files.items():
-            p = pki / name
-            p.write_bytes(data)
-            p.chmod(0o600)
+    @property
+    def pki(self) -> Path:
+        return self.workdir / "pki"
 
-    def _write_kubeconfig(self) -> None:
-        pki = self.workdir / "pki"
-        cfg = {
+    def _ensure_pki(self) -> None:
+        """CA, service-account key, serving and admin certificates. A persistent control plane
+        makes the CA and the service-account key once (tokens and kubeconfigs stay valid across
+        restarts) and issues a leaf certificate again only when it is missing or expiring."""
+        pki = self.pki
+        pki.mkdir(parents=True, exist_ok=True, mode=0o700)
+        keep = self.persistent
+        ca_days, leaf_days = (CA_DAYS, LEAF_DAYS) if keep else (30, 30)
+        ca_name = _name("impvm-ca")
+        if keep and (pki / "ca.crt").is_file() and (pki / "ca.key").is_file():
+            ca_key = self._ca_key()
+        else:
+            ca_key = _key()
+            ca = _cert(ca_name, ca_key, ca_name, ca_key, ca=True, days=ca_days)
+            write_private(pki / "ca.key", _pem_key(ca_key))
+            write_private(pki / "ca.crt", ca.public_bytes(serialization.Encoding.PEM))
+        if not (keep and (pki / "sa.key").is_file() and (pki / "sa.pub").is_file()):
+            sa_key = _key()
+            write_private(pki / "sa.key", _pem_key(sa_key))
+            write_private(
+                pki / "sa.pub",
+                sa_key.public_key().public_bytes(
+                    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+                ),
+            )
+        leaves = {
+            "apiserver": (_name("kube-apiserver"), {"server": True}),
+            "admin": (_name("impvm-admin", "system:masters"), {"client": True}),
+        }
+        for stem, (subject, kind) in leaves.items():
+            crt, key_path = pki / f"{stem}.crt", pki / f"{stem}.key"
+            if keep and _fresh(crt, key_path):
+                continue
+            key = _key()
+            cert = _cert(subject, key, ca_name, ca_key, days=leaf_days, **kind)
+            write_private(key_path, _pem_key(key))
+            write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
+
+    def _ca_key(self) -> rsa.RSAPrivateKey:
+        key = serialization.load_pem_private_key((self.pki / "ca.key").read_bytes(), None)
+        assert isinstance(key, rsa.RSAPrivateKey)
+        return key
+
+    def client_kubeconfig(self, path: Path, user: str, groups: list[str]) -> Path:
+        """Write a kubeconfig to ``path`` that authenticates as ``user`` in ``groups`` with a
+        client certificate from this control plane's CA (Kubernetes takes the user name from
+        the CN and the groups from the O fields, "X509 client certificates" in the
+        authentication docs). For ``system:serviceaccount:NS:NAME`` with the service-account
+        groups this is that ServiceAccount to RBAC, without a token that expires. The
+        certificate is issued once and again when expiring. Call after :meth:`start`."""
+        stem = "client-" + "".join(c if c.isalnum() else "-" for c in user)
+        crt, key_path = self.pki / f"{stem}.crt", self.pki / f"{stem}.key"
+        if not _fresh(crt, key_path):
+            key = _key()
+            days = LEAF_DAYS if self.persistent else 30
+            cert = _cert(
+                _name(user, groups), key, _name("impvm-ca"), self._ca_key(), client=True, days=days
+            )
+            write_private(key_path, _pem_key(key))
+            write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
+        cfg = self._kubeconfig_dict(
+            "sa", {"client-certificate": str(crt), "client-key": str(key_path)}
+        )
+        write_private(path, yaml.safe_dump(cfg).encode())
+        return path
+
+    def _ports(self) -> tuple[int, int, int]:
+        """(api, etcd client, etcd peer) ports: kept in ``ports.json`` when persistent (etcd
+        records its peer URL with its data, and kubeconfigs name the API port)."""
+        saved = self.workdir / "ports.json"
+        if self.persistent and saved.is_file():
+            p = json.loads(saved.read_text())
+            api = self.api_port or int(p["api"])
+            return api, int(p["etcd"]), int(p["peer"])
+        ports = (self.api_port or free_port(), free_port(), free_port())
+        if self.persistent:
+            saved.write_text(json.dumps(dict(zip(("api", "etcd", "peer"), ports, strict=True))))
+        return ports
+
+    def _kubeconfig_dict(self, user: str, credentials: dict[str, str]) -> dict[str, object]:
+        return {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [
@@ -216,28 +308,27 @@ class ControlPlane:
                     "name": "impvm",
                     "cluster": {
                         "server": self.url,
-                        "certificate-authority": str(pki / "ca.crt"),
+                        "certificate-authority": str(self.pki / "ca.crt"),
                     },
                 }
             ],
-            "users": [
-                {
-                    "name": "admin",
-                    "user": {
-                        "client-certificate": str(pki / "admin.crt"),
-                        "client-key": str(pki / "admin.key"),
-                    },
-                }
-            ],
-            "contexts": [
-                {"name": "impvm", "context": {"cluster": "impvm", "user": "admin"}},
-            ],
+            "users": [{"name": user, "user": credentials}],
+            "contexts": [{"name": "impvm", "context": {"cluster": "impvm", "user": user}}],
             "current-context": "impvm",
         }
-        self.kubeconfig.write_text(yaml.safe_dump(cfg))
-        self.kubeconfig.chmod(0o600)
+
+    def _write_kubeconfig(self) -> None:
+        cfg = self._kubeconfig_dict(
+            "admin",
+            {
+                "client-certificate": str(self.pki / "admin.crt"),
+                "client-key": str(self.pki / "admin.key"),
+            },
+        )
+        write_private(self.kubeconfig, yaml.safe_dump(cfg).encode())
 
     def _spawn(self, name: str, args: list[str]) -> None:
+        self._argv[name] = args
         log = open(self.workdir / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -271,12 +362,10 @@ class ControlPlane:
         """Start etcd, kube-apiserver and kube-controller-manager; return self when ready."""
         assets = self.assets = self.assets or find_assets()
         atexit.register(self.stop)  # never leave etcd/kube-apiserver running behind a crash
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self._write_pki()
-        pki = self.workdir / "pki"
-        self.etcd_port = free_port()
-        peer_port = free_port()
-        self.api_port = free_port()
+        self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._ensure_pki()
+        pki = self.pki
+        self.api_port, self.etcd_port, peer_port = self._ports()
         etcd_url = f"http://127.0.0.1:{self.etcd_port}"
         self._spawn(
             "etcd",
@@ -294,7 +383,7 @@ class ControlPlane:
                 f"http://127.0.0.1:{peer_port}",
                 "--initial-cluster",
                 f"default=http://127.0.0.1:{peer_port}",
-                "--unsafe-no-fsync=true",
+                f"--unsafe-no-fsync={'false' if self.etcd_fsync else 'true'}",
                 "--log-level",
                 "warn",
             ],
@@ -308,7 +397,7 @@ class ControlPlane:
                 "--etcd-servers",
                 etcd_url,
                 "--bind-address",
-                "127.0.0.1",
+                self.bind_address,
                 "--secure-port",
                 str(self.api_port),
                 "--cert-dir",
@@ -360,6 +449,14 @@ class ControlPlane:
             tail = (self.workdir / "kube-controller-manager.log").read_text()[-3000:]
             raise ControlPlaneError(f"kube-controller-manager exited:\n{tail}")
         return self
+
+    def dead(self) -> list[str]:
+        """Names of the processes that exited."""
+        return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def restart(self, name: str) -> None:
+        """Start an exited process again with the arguments it had (same ports and data)."""
+        self._spawn(name, self._argv[name])
 
     def stop(self) -> None:
         """Terminate every process (SIGTERM, then SIGKILL after 10 s)."""

@@ -94,6 +94,9 @@ def run(encoded: str, idle_timeout: float = 0.0) -> int:
                     time.sleep(float(job.get("sleep_seconds") or 0))
             finally:
                 done.set()
+                # a daemon thread still inside httpx when the interpreter shuts down can crash
+                # it (exit 139 seen in slow VMs): let the last heartbeat finish first
+                beat.join(timeout=15.0)
             http.post(
                 f"{base}/jobs/{job['id']}/complete", json={"conclusion": conclusion}
             ).raise_for_status()

@@ -1,11 +1,12 @@
-"""``impvm dev up``: the embedded stack (:mod:`impvm.devstack.stack`), shown live.
+"""``impvm dev up``: ``impvm up`` (:func:`impvm.up.main.serve`) with a generated configuration
+(:mod:`impvm.devstack.stack`: the GitHub stand-in, a loopback registry with the test images, the
+seed's minimal example as the pool), shown live.
 
-Starts the control plane with the CRDs, the GitHub stand-in, a loopback registry with the test
-images, the operator and one agent, applies the seed's minimal example, and shows the pool, its
-VMs, the runners GitHub knows and the jobs, refreshed every second. ``--jobs N`` queues N jobs
-matching the pool's labels once the pool has its idle runner; ``--until-done`` exits 0 once they
-all ran and the pool is back at minIdle, and non-zero (with the reason) on timeout or when a
-stack process dies.
+It prints the generated ``impvm.yaml`` and the ``KUBECONFIG`` to use, then the pool, its VMs, the
+runners GitHub knows and the jobs, refreshed every second. ``--jobs N`` queues N jobs matching
+the pool's labels once the pool has its idle runner; ``--until-done`` exits 0 once they all ran
+and the pool is back at minIdle, and non-zero (with the reason) on timeout or when a process dies
+(without ``--until-done`` a dead process is restarted, as ``impvm up`` does).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,9 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from impvm.devstack.stack import Stack, StackConfig
+from impvm.devstack.stack import POOL, Stack, StackConfig
+from impvm.up.main import serve
+from impvm.up.service import Service
 
 MIN_IDLE = 1  # the seed example's minIdle
 
@@ -68,17 +71,11 @@ def _github_table(stack: Stack) -> Table:
 def _pool_line(status: dict[str, Any]) -> str:
     conds = {c["type"]: c["status"] for c in status.get("conditions") or []}
     return (
-        f"pool ci-pool: idle {status.get('idle')} busy {status.get('busy')} "
+        f"pool {POOL}: idle {status.get('idle')} busy {status.get('busy')} "
         f"starting {status.get('starting')} total {status.get('total')} "
         f"desired {status.get('desired')} pendingJobs {status.get('pendingJobs')} "
         f"Ready={conds.get('Ready', '?')}"
     )
-
-
-async def _view(stack: Stack) -> tuple[Group, str]:
-    status = await stack.pool_status()
-    line = _pool_line(status)
-    return Group(line, _vm_table(await stack.vms()), _github_table(stack)), line
 
 
 def _done(stack: Stack, job_ids: list[int], status: dict[str, Any], vms: int) -> bool:
@@ -93,85 +90,96 @@ def _done(stack: Stack, job_ids: list[int], status: dict[str, Any], vms: int) ->
     )
 
 
+@dataclass
+class _Show:
+    """The live view and the --jobs/--until-done logic, one tick a second."""
+
+    stack: Stack
+    console: Console
+    jobs: int
+    until_done: bool
+    limit: float
+    started: float = field(default_factory=time.monotonic)
+    job_ids: list[int] = field(default_factory=list)
+    last_line: str = ""
+    live: Live | None = None
+    ready: bool = False
+
+    async def tick(self, service: Service) -> int | None:
+        stack = self.stack
+        if not self.ready:
+            self.ready = True
+            await stack.after_start()
+            assert stack.standin is not None
+            self.console.print(
+                f"  {service.control_plane.kubectl if service.control_plane else 'kubectl'}"
+                f" get imprp,impvm\nGitHub stand-in {stack.standin.url}  logs in "
+                f"{service.data_dir}/*.log"
+            )
+            if self.console.is_terminal:
+                self.live = Live(console=self.console, refresh_per_second=2)
+                self.live.start()
+        status = await stack.pool_status()
+        line = _pool_line(status)
+        vms = await stack.vms()
+        if self.live is not None:
+            self.live.update(Group(line, _vm_table(vms), _github_table(stack)))
+        elif line != self.last_line:
+            self.console.print(f"[{time.monotonic() - self.started:5.0f}s] {line}")
+            self.last_line = line
+        if self.jobs and not self.job_ids and status.get("idle", 0) >= MIN_IDLE:
+            self.job_ids = stack.queue_jobs(self.jobs)
+            self.console.print(f"queued {self.jobs} job(s) needing self-hosted, imp")
+        if not self.until_done:
+            return None
+        if (self.job_ids or not self.jobs) and _done(stack, self.job_ids, status, len(vms)):
+            self.console.print(
+                f"done: {len(self.job_ids)} job(s) ran, pool back at minIdle "
+                f"{MIN_IDLE} after {time.monotonic() - self.started:.0f}s"
+            )
+            return 0
+        if time.monotonic() - self.started > self.limit:
+            done = sum(1 for j in stack.jobs() if j.status == "completed")
+            self.console.print(
+                f"impvm dev up: timed out after {self.limit:.0f}s: {done}/{len(self.job_ids)} "
+                f"job(s) completed; {line}"
+            )
+            return 1
+        return None
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+
+
 async def _run(
     runtime: str, jobs: int, until_done: bool, workdir: Path, limit: float, console: Console
 ) -> int:
     stack = Stack(StackConfig(workdir=workdir, runtime=runtime, polling_interval_seconds=5))
     console.print(f"starting the embedded stack in {workdir} (runtime {runtime})")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before starting: Ctrl-C during start-up works
-        loop.add_signal_handler(sig, stop.set)
-    starting = asyncio.create_task(stack.start())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if not starting.done():
-        starting.cancel()
-        with contextlib.suppress(BaseException):
-            await starting
-        console.print("impvm dev up: interrupted while starting; stopping the stack")
-        await stack.stop()
-        return 130
-    stopping.cancel()
-    if starting.exception() is not None:
-        e = starting.exception()
-        console.print(f"impvm dev up: the stack did not start: {type(e).__name__}: {e}")
-        await stack.stop()
-        return 1
-    assert stack.control_plane is not None and stack.standin is not None
-    console.print(
-        f"control plane {stack.control_plane.url}\n"
-        f"  export KUBECONFIG={stack.kubeconfig}\n"
-        f"  {stack.control_plane.kubectl} get imprp,impvm\n"
-        f"GitHub stand-in {stack.standin.url}  operator http://127.0.0.1:"
-        f"{stack.operator_http_port}/metrics  logs in {workdir}/*.log"
-    )
-    job_ids: list[int] = []
-    started = time.monotonic()
-    code = 0
-    last_line = ""
-    live = Live(console=console, refresh_per_second=2) if console.is_terminal else None
+    show = _Show(stack, console, jobs, until_done, limit)
+
+    async def make() -> Service:
+        service = await stack.start_fixtures()
+        console.print(f"impvm up --config {stack.config_file}  (generated)")
+        return service
+
     try:
-        with live if live is not None else contextlib.nullcontext():
-            while not stop.is_set():
-                stack.check_processes()
-                view, line = await _view(stack)
-                if live is not None:
-                    live.update(view)
-                elif line != last_line:
-                    console.print(f"[{time.monotonic() - started:5.0f}s] {line}")
-                    last_line = line
-                status = await stack.pool_status()
-                if jobs and not job_ids and status.get("idle", 0) >= MIN_IDLE:
-                    job_ids = stack.queue_jobs(jobs)
-                    console.print(f"queued {jobs} job(s) needing self-hosted, imp")
-                if until_done and (job_ids or not jobs):
-                    if _done(stack, job_ids, status, len(await stack.vms())):
-                        console.print(
-                            f"done: {len(job_ids)} job(s) ran, pool back at minIdle "
-                            f"{MIN_IDLE} after {time.monotonic() - started:.0f}s"
-                        )
-                        break
-                if until_done and time.monotonic() - started > limit:
-                    done = sum(1 for j in stack.jobs() if j.status == "completed")
-                    console.print(
-                        f"impvm dev up: timed out after {limit:.0f}s: {done}/{len(job_ids)} "
-                        f"job(s) completed; {line}"
-                    )
-                    code = 1
-                    break
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1.0)
-    except RuntimeError as e:
-        console.print(f"impvm dev up: {e}")
-        code = 1
-    finally:
-        if stop.is_set() and until_done and code == 0:
+        code = await serve(
+            make,
+            restart_crashed=not until_done,
+            tick=show.tick,
+            say=console.print,
+            interrupted_code=130 if until_done else 0,
+        )
+        if code == 130 and until_done and show.ready:
             console.print("impvm dev up: interrupted before the jobs were done")
-            code = 130
-        console.print("stopping the stack")
-        await stack.stop()
-    return code
+        return code
+    finally:
+        show.close()
+        with contextlib.suppress(Exception):
+            await stack.stop()
 
 
 def run(

@@ -3,11 +3,12 @@
 Source: GitHub docs, "Generating a JSON Web Token (JWT) for a GitHub App" (RS256; ``iat`` 60 s in
 the past against clock drift; ``exp`` no more than 10 minutes in the future; ``iss`` = App ID) and
 "Generating an installation access token for a GitHub App" (tokens expire after one hour; the
-``permissions`` body restricts the token). Seed 000, step 3.
+``permissions`` body restricts the token).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ JWT_IAT_SKEW = 60
 #: JWT lifetime in seconds counted from ``iat``; GitHub allows at most 600.
 JWT_LIFETIME = 540
 
-#: Keys of the pool's credentials Secret (DESIGN.md, fixed interfaces).
+#: Keys of the pool's credentials Secret (docs/architecture.md, fixed interfaces).
 APP_ID_KEY = "github_app_id"
 INSTALLATION_ID_KEY = "github_app_installation_id"
 PRIVATE_KEY_KEY = "github_app_private_key"
@@ -93,8 +94,13 @@ def credentials_from_secret(
     )
 
 
+@functools.lru_cache(maxsize=16)
 def load_private_key(pem: str) -> RSAPrivateKey:
-    """Parse a PEM RSA private key (PKCS#1 or PKCS#8). Raises :class:`CredentialsError`."""
+    """Parse a PEM RSA private key (PKCS#1 or PKCS#8). Raises :class:`CredentialsError`.
+
+    Parsing validates the key (tens of milliseconds for RSA), so each key is parsed once and
+    kept (by its PEM text, which the credentials hold in memory anyway); a failure is not
+    kept."""
     try:
         key = serialization.load_pem_private_key(pem.encode(), password=None)
     except (ValueError, TypeError):

@@ -202,7 +202,9 @@ class RetryPolicy:
     ``max_transient_retries`` times with full-jitter exponential backoff
     (``min(max_delay, base_delay * 2**n) * U[0.5, 1]``). Rate limits are waited for at most
     ``max_rate_limit_retries`` times and never longer than ``max_rate_limit_wait`` per wait;
-    beyond that :class:`RateLimited` is raised with ``retry_after``. A secondary limit without
+    beyond that :class:`RateLimited` is raised with ``retry_after`` and ``reset_at``. With
+    ``max_rate_limit_retries=0`` the client never waits: the caller decides (the operator's
+    pool pass records the condition at once and schedules its retry). A secondary limit without
     ``retry-after`` waits ``secondary_min_wait * 2**n``."""
 
     max_transient_retries: int = 4
@@ -224,6 +226,30 @@ def _epoch(iso: str) -> float:
 Fetch = Callable[[dict[str, str]], Awaitable[Response[T, Any]]]
 
 
+class _KeptTransport(httpx.AsyncBaseTransport):
+    """One connection pool (and one TLS context) for every request of a client. githubkit makes
+    an ``httpx.AsyncClient`` per request and closes it afterwards; closing that client must not
+    close the pool, so :meth:`aclose` does nothing and :meth:`shutdown` closes it for real (a
+    later request opens a new pool)."""
+
+    def __init__(self) -> None:
+        self._inner: httpx.AsyncHTTPTransport | None = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._inner is None:
+            self._inner = httpx.AsyncHTTPTransport()
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        """Called by each per-request client: keep the pool."""
+
+    async def shutdown(self) -> None:
+        """Close the pool's connections."""
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            await inner.aclose()
+
+
 class _Shared:
     """State shared by a client and its :meth:`GitHubClient.with_permissions` views."""
 
@@ -241,6 +267,7 @@ class _Shared:
     ) -> None:
         self.credentials = credentials
         self.api_url = api_url
+        self.transport = _KeptTransport()
         self.gh = GitHub(
             UnauthAuthStrategy(),
             base_url=api_url,
@@ -248,6 +275,7 @@ class _Shared:
             auto_retry=False,
             http_cache=False,
             user_agent="impvm",
+            async_transport=self.transport,
         )
         self.retry = retry
         self.sleep = sleep
@@ -358,10 +386,16 @@ class GitHubClient:
         view._permissions = dict(permissions)
         return view
 
+    def use_credentials(self, credentials: Credentials) -> None:
+        """Use new credentials of the same installation (a rotated App key): cached tokens,
+        ETags and connections are kept."""
+        self._shared.credentials = credentials
+
     async def close(self) -> None:
-        """Release resources. Idempotent."""
+        """Release resources (tokens, ETags, connections). Idempotent."""
         self._shared.tokens = TokenCache(refresh_margin=self._shared.tokens.refresh_margin)
         self._shared.etags.clear()
+        await self._shared.transport.shutdown()
 
     async def __aenter__(self) -> GitHubClient:
         return self
@@ -529,6 +563,7 @@ class GitHubClient:
                             retry_after=seconds,
                             endpoint=endpoint,
                             status=resp.status_code,
+                            reset_at=shared.clock() + seconds,
                         )
                     limited += 1
                     metrics.RATE_LIMIT_WAITS.labels(kind=kind).inc()

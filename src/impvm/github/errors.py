@@ -32,8 +32,7 @@ class BadCredentials(GitHubError):
 
 class InstallationUnavailable(GitHubError):
     """The App installation cannot be used: ``reason`` is ``"suspended"`` (403) or ``"removed"``
-    (404 on the token exchange). Seed 000, failure boundaries: "the token mint reports the
-    installation as unavailable"."""
+    (404 on the token exchange): the token mint reports the installation as unavailable."""
 
     def __init__(self, message: str, *, reason: str, endpoint: str = "", status: int) -> None:
         super().__init__(message, endpoint=endpoint, status=status)
@@ -54,16 +53,25 @@ class Conflict(GitHubError):
 
 
 class RateLimited(GitHubError):
-    """Rate limit exceeded and the client will not wait (longer than its bound, or retries
-    exhausted). ``kind`` is ``"primary"`` or ``"secondary"``; ``retry_after`` is seconds from now
-    after which a retry may succeed."""
+    """Rate limit exceeded and the client will not wait (its policy does not wait, the wait is
+    longer than its bound, or retries are exhausted): the caller decides. ``kind`` is
+    ``"primary"`` or ``"secondary"``; ``retry_after`` is seconds from now after which a retry
+    may succeed; ``reset_at`` the same moment in epoch seconds of the client's clock."""
 
     def __init__(
-        self, message: str, *, kind: str, retry_after: float, endpoint: str = "", status: int
+        self,
+        message: str,
+        *,
+        kind: str,
+        retry_after: float,
+        endpoint: str = "",
+        status: int,
+        reset_at: float | None = None,
     ) -> None:
         super().__init__(message, endpoint=endpoint, status=status)
         self.kind = kind
         self.retry_after = retry_after
+        self.reset_at = reset_at
 
 
 class TransientError(GitHubError):

@@ -201,7 +201,7 @@ def handle_delivery(
         raise WebhookRejected(f"missing {EVENT_HEADER} header")
     try:
         payload = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: absurdly nested JSON
         payload = None
     if not isinstance(payload, dict):
         metrics.WEBHOOK_DELIVERIES.labels(event=label, result="invalid").inc()

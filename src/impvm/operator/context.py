@@ -1,47 +1,23 @@
-"""Process-wide state of the operator: the Kubernetes client, GitHub clients per credentials
-Secret, per-pool wake-up events and backoff. Everything here is a cache: after a restart it is
-rebuilt from Kubernetes objects and GitHub (DESIGN.md: Kubernetes is the database)."""
+"""Process-wide state of the operator: the Kubernetes client, the GitHub provider, the clock, the
+job table and per-pool memory (wake-up events, backoff, poll state). Everything here is a cache:
+after a restart it is rebuilt from Kubernetes objects and GitHub (Kubernetes is the database)."""
 
 from __future__ import annotations
 
 import asyncio
-import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightkube import AsyncClient
 
+from impvm.api.models import PoolKey
+from impvm.api.times import Clock, as_clock
 from impvm.events import EventRecorder
-from impvm.github import GitHubClient, RetryPolicy
+from impvm.github import RetryPolicy
+from impvm.operator.credentials import GitHubProvider
+from impvm.operator.sources import KubeSource
 from impvm.scaling.jobtable import JobTable, PoolScope
-
-PoolKey = tuple[str, str]  # (namespace, name)
-
-
-@dataclass
-class Backoff:
-    """Exponential backoff with full jitter for one pool's GitHub-dependent work (seconds)."""
-
-    base: float = 2.0
-    cap: float = 300.0
-    failures: int = 0
-    not_before: float = 0.0
-
-    def failed(self, now: float, at_least: float = 0.0) -> float:
-        """Record a failure; return the delay before the next try."""
-        self.failures += 1
-        delay = min(self.cap, self.base * 2 ** (self.failures - 1))
-        delay = float(max(at_least, delay * (0.5 + random.random() / 2)))
-        self.not_before = now + delay
-        return delay
-
-    def succeeded(self) -> None:
-        self.failures = 0
-        self.not_before = 0.0
-
-    def ready(self, now: float) -> bool:
-        return now >= self.not_before
+from impvm.scaling.world import BackoffState, PassSettings, PollState
 
 
 @dataclass
@@ -49,22 +25,23 @@ class PoolMemory:
     """In-memory facts about one pool between passes (all re-derivable)."""
 
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    github_backoff: Backoff = field(default_factory=Backoff)
-    last_poll: float = 0.0
-    queued_jobs: int = 0
-    #: runners busy at the last poll: when this changes a queued job was taken, so re-poll
-    busy_at_poll: frozenset[str] = frozenset()
-    #: ((org, group name), group id, valid until) of the last runner-group lookup
+    backoff: BackoffState = field(default_factory=BackoffState)
+    poll: PollState = field(default_factory=PollState)
+    #: ((org, group name), group id, valid until (monotonic s)) of the last runner-group lookup
     runner_group: tuple[tuple[str, str | None], int, float] | None = None
     #: the pool as job routing sees it, and its webhook secret (webhook/hybrid modes)
     scope: PoolScope | None = None
     webhook_secret: str | None = field(default=None, repr=False)
-    last_error: str = ""
+    #: name prefix of the pool's runners (:func:`impvm.scaling.names.runner_prefix`)
+    prefix: str = ""
+    #: template and class names of the last pass (an edit of either wakes the pool)
+    template: str | None = None
+    vm_class: str | None = None
 
 
 @dataclass
 class OperatorSettings:
-    """Tunables (seconds)."""
+    """Tunables (seconds unless named otherwise)."""
 
     resync_seconds: float = 10.0
     busy_resync_seconds: float = 2.0
@@ -77,39 +54,50 @@ class OperatorSettings:
     #: below this share of the rate-limit budget, polling (non-essential) pauses; JIT minting
     #: (essential) goes on
     poll_budget_floor: float = 0.2
-    #: seconds between the reconciliation polls of a webhook-mode pool
-    webhook_resync_seconds: float = 300.0
+    #: seconds between the safety polls of a webhook-mode pool (lost deliveries)
+    webhook_safety_poll_seconds: float = 300.0
     #: seconds a resolved runner-group id is reused
     runner_group_ttl: float = 300.0
     #: seconds past an agent Lease's duration before its node's VMs are given up
     node_lost_grace_seconds: float = 60.0
 
-
-@dataclass
-class _ClientEntry:
-    fingerprint: str
-    client: GitHubClient
+    def for_pass(self) -> PassSettings:
+        """The tunables the pure pool pass reads."""
+        return PassSettings(
+            resync_seconds=self.resync_seconds,
+            busy_resync_seconds=self.busy_resync_seconds,
+            template_missing_requeue_seconds=self.template_missing_requeue_seconds,
+            poll_budget_floor=self.poll_budget_floor,
+            webhook_safety_poll_seconds=self.webhook_safety_poll_seconds,
+            node_lost_grace_seconds=self.node_lost_grace_seconds,
+        )
 
 
 class OperatorContext:
-    """Shared by every handler of one operator process."""
+    """Shared by every handler of one operator process. ``clock``: a :class:`Clock`, or a
+    monotonic function from which wall time is derived (tests move both at once)."""
 
     def __init__(
         self,
         kube: AsyncClient,
         settings: OperatorSettings | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | Callable[[], float] | None = None,
     ) -> None:
         self.kube = kube
         self.settings = settings or OperatorSettings()
-        self.clock = clock
+        self.clock = as_clock(clock)
         self.pools: dict[PoolKey, PoolMemory] = {}
         self.jobs = JobTable()
         self.events = EventRecorder(kube, component="impvm-operator")
-        self._github: dict[tuple[str, str], _ClientEntry] = {}
+        self.sources = KubeSource(kube)
+        s = self.settings
+        self.github = GitHubProvider(
+            kube, api_url=s.github_api_url, timeout=s.github_timeout, retry=s.github_retry
+        )
 
     def pool(self, key: PoolKey) -> PoolMemory:
         """Memory of one pool (created on first use)."""
+        key = PoolKey(*key)
         mem = self.pools.get(key)
         if mem is None:
             mem = self.pools[key] = PoolMemory()
@@ -119,27 +107,19 @@ class OperatorContext:
         """Every known pool as job routing sees it."""
         return [m.scope for m in self.pools.values() if m.scope is not None]
 
-    def forget(self, key: PoolKey) -> None:
-        """Drop a deleted pool (its jobs route elsewhere or count as unmatched)."""
-        self.pools.pop(key, None)
-
     def wake(self, key: PoolKey) -> None:
         """Make the pool's reconcile loop run now rather than at its next tick."""
         self.pool(key).wake.set()
 
-    def github_client(
-        self, namespace: str, secret: str, fingerprint: str, make: Callable[[], GitHubClient]
-    ) -> GitHubClient:
-        """The cached client for a credentials Secret; a new one when the Secret changed
-        (``fingerprint`` is its resourceVersion plus the pool's server URL)."""
-        key = (namespace, secret)
-        entry = self._github.get(key)
-        if entry is None or entry.fingerprint != fingerprint:
-            entry = self._github[key] = _ClientEntry(fingerprint, make())
-        return entry.client
+    def wake_using(self, namespace: str | None, template: str | None, vm_class: str | None) -> None:
+        """Wake every pool whose last pass used ``template`` (in ``namespace``) or ``vm_class``
+        (an edit may make its VMs outdated)."""
+        for key, mem in self.pools.items():
+            if (
+                template is not None and key.namespace == namespace and mem.template == template
+            ) or (vm_class is not None and mem.vm_class == vm_class):
+                mem.wake.set()
 
     async def close(self) -> None:
         """Close every GitHub client."""
-        for e in self._github.values():
-            await e.client.close()
-        self._github.clear()
+        await self.github.close()

@@ -31,6 +31,11 @@ class PollResult:
         """Ids of jobs GitHub reported queued."""
         return {j.id for j in self.jobs if j.queued}
 
+    @property
+    def open_ids(self) -> set[int]:
+        """Ids of jobs GitHub reported queued or in progress."""
+        return {j.id for j in self.jobs if j.status != "completed"}
+
 
 def job_from_github(job: WorkflowJob, repository: str, now: dt.datetime) -> Job:
     """A job-table entry from a REST workflow job."""
@@ -58,10 +63,10 @@ async def repositories(github: GitHubClient, scope: Scope) -> list[str]:
     ]
 
 
-async def poll_jobs(github: GitHubClient, scope: Scope) -> PollResult:
+async def poll_jobs(github: GitHubClient, scope: Scope, now: dt.datetime) -> PollResult:
     """Read every queued and in-progress job of the scope's repositories (jobs, not runs: a run
-    holds many jobs, some for other pools). Raises :class:`impvm.github.errors.GitHubError`."""
-    now = dt.datetime.now(dt.UTC)
+    holds many jobs, some for other pools); ``now`` is when the poll starts. Raises
+    :class:`impvm.github.errors.GitHubError`."""
     result = PollResult(started_at=now)
     result.repositories = await repositories(github, scope)
     result.api_calls += 1 if scope.repo is None else 0

@@ -1,9 +1,10 @@
 """kopf handlers: thin. Each gathers what kopf hands it and calls the domain code.
 
 - one daemon per pool runs :class:`~impvm.operator.pool.PoolReconciler` passes, serialised per
-  pool (one loop per pool), woken early by VM events and webhooks;
-- VM events wake their pool;
-- pool deletion deregisters the pool's idle runners before the garbage collector removes its VMs.
+  pool (one loop per pool), woken early by VM events, webhooks and edits of its template or
+  class (a template edit makes its idle VMs outdated);
+- pool deletion deregisters the pool's idle runners before the garbage collector removes its VMs;
+- pools with ``spec.reaper.enabled`` get a reaper daemon.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import kopf
 
-from impvm.api.models import GROUP, POOL_LABEL, VERSION
+from impvm.api.models import GROUP, POOL_LABEL, VERSION, PoolKey
 from impvm.operator.context import OperatorContext
 from impvm.operator.pool import PoolReconciler
 from impvm.operator.reaper import reaper_enabled, reaper_loop
@@ -53,7 +54,7 @@ async def pool_daemon(name: str, namespace: str | None, memo: Any, **_: Any) -> 
     """Reconcile one pool until it is deleted: a pass, then wait for a wake-up or the delay the
     pass asked for."""
     ctx = _ctx(memo)
-    key = (namespace or "", name)
+    key = PoolKey(namespace or "", name)
     mem = ctx.pool(key)
     reconciler = PoolReconciler(ctx)
     while True:
@@ -77,7 +78,19 @@ async def vm_event(body: Any, memo: Any, **_: Any) -> None:
     meta = body.get("metadata", {})
     pool = (meta.get("labels") or {}).get(POOL_LABEL)
     if pool:
-        _ctx(memo).wake((meta.get("namespace", ""), pool))
+        _ctx(memo).wake(PoolKey(meta.get("namespace", ""), pool))
+
+
+@kopf.on.event(GROUP, VERSION, "impvmtemplates")
+async def template_event(name: str, namespace: str | None, memo: Any, **_: Any) -> None:
+    """A template edit wakes the pools made from it (their idle VMs may be outdated)."""
+    _ctx(memo).wake_using(namespace, name, None)
+
+
+@kopf.on.event(GROUP, VERSION, "impvmclasses")
+async def class_event(name: str, memo: Any, **_: Any) -> None:
+    """A class edit wakes the pools whose template uses it."""
+    _ctx(memo).wake_using(None, None, name)
 
 
 @kopf.on.delete(GROUP, VERSION, "impvmrunnerpools", retries=30)
@@ -85,14 +98,14 @@ async def pool_deleted(name: str, namespace: str | None, body: Any, memo: Any, *
     """Deregister the pool's runners that are not busy before its VMs go (no leaked
     registrations). Busy runners are retried every 10 s, at most 30 times, then left to GitHub."""
     ctx = _ctx(memo)
-    busy = await deregister_pool_runners(ctx, namespace or "", body)
-    ctx.pools.pop((namespace or "", name), None)
+    busy = await deregister_pool_runners(ctx, body)
+    ctx.pools.pop(PoolKey(namespace or "", name), None)
     if busy:
         raise kopf.TemporaryError(f"{busy} runner(s) still busy; retrying", delay=10)
 
 
 @kopf.daemon(GROUP, VERSION, "impvmrunnerpools", cancellation_timeout=2.0, when=reaper_enabled)
 async def reaper_daemon(name: str, namespace: str | None, memo: Any, **_: Any) -> None:
-    """Reaper passes (issue 7) for one pool with ``spec.reaper.enabled``: one loop per pool, so
-    passes of a pool never run concurrently; stopped by kopf when the reaper is disabled."""
-    await reaper_loop(_ctx(memo), (namespace or "", name))
+    """Reaper passes for one pool with ``spec.reaper.enabled``: one loop per pool, so passes of a
+    pool never run concurrently; stopped by kopf when the reaper is disabled."""
+    await reaper_loop(_ctx(memo), PoolKey(namespace or "", name))

@@ -1,4 +1,4 @@
-"""The operator's HTTP endpoint (DESIGN.md, fixed interfaces): ``GET /healthz``,
+"""The operator's HTTP endpoint (docs/architecture.md, fixed interfaces): ``GET /healthz``,
 ``GET /metrics`` (Prometheus text format) and ``POST /webhooks/github``."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The reaper's imperative shell: one pass per pool over the VMs whose runner may have outlived
-its job, judged by the pure table in :mod:`impvm.reaper` (seed 004, issue 7).
+its job, judged by the pure table in :mod:`impvm.reaper`.
 
 A pass (:func:`reap_pool`) for a pool with ``spec.reaper.enabled``:
 
@@ -23,13 +23,16 @@ A pass (:func:`reap_pool`) for a pool with ``spec.reaper.enabled``:
    complete (True) or why not (False: ``TokenRefused``, ``NotJudged``, ``ListFailed``,
    ``DeleteFailed``, ``CredentialsInvalid``), with a Warning Event when that changes.
 
-A VM is only deleted on a positive answer from GitHub (seed 004, failure behaviour). No message,
+A VM is only deleted on a positive answer from GitHub. No message,
 log line or Event carries a secret: GitHub errors are redacted by :class:`GitHubClient` and ours
 name keys and ids only.
 
 Scheduling (:func:`reaper_loop`): one loop per pool (a kopf daemon), a pass every
 ``spec.reaper.intervalSeconds`` (default 300 s), so passes of one pool never overlap; a
-per-pool lock in this process also serialises direct calls of :func:`reap_pool`.
+per-pool lock in this process also serialises direct calls of :func:`reap_pool` (held only while
+a pass runs, so the locks of pools long gone take no memory). The loop gets its client from the
+operator's :class:`~impvm.operator.credentials.GitHubProvider`: one token cache per
+installation, shared with the pool controller.
 
 Kubernetes permissions a pass needs in the pool's namespace (``deploy/rbac/reaper.yaml``):
 list/watch/get/delete ImpVMs, get ImpVMRunnerPools, patch ``impvmrunnerpools/status``, get the
@@ -39,36 +42,31 @@ App Secret (by name), create Events.
 from __future__ import annotations
 
 import asyncio
-import base64
 import datetime as dt
 import logging
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
-from lightkube.resources.core_v1 import Secret
 from lightkube.types import PatchType
 from pydantic import ValidationError
 
+from impvm.api.conditions import ConditionSet
 from impvm.api.models import (
     API_VERSION,
     POOL_LABEL,
     ImpVM,
     ImpVMRunnerPool,
+    PoolKey,
     ReaperSpec,
 )
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
+from impvm.api.times import utcnow
 from impvm.events import EventRecorder
-from impvm.github import (
-    Credentials,
-    DeleteOutcome,
-    GitHubClient,
-    RetryPolicy,
-    Scope,
-    credentials_from_secret,
-)
+from impvm.github import DeleteOutcome, GitHubClient, Scope
 from impvm.github.errors import (
     BadCredentials,
     CredentialsError,
@@ -76,8 +74,7 @@ from impvm.github.errors import (
     InstallationUnavailable,
     PermissionNotGranted,
 )
-from impvm.operator.conditions import ConditionSet
-from impvm.operator.context import OperatorContext, PoolKey
+from impvm.operator.context import OperatorContext
 from impvm.reaper import (
     Action,
     JobInfo,
@@ -95,7 +92,6 @@ __all__ = [
     "REAPER_PERMISSIONS",
     "ReapOutcome",
     "ReapReport",
-    "github_client_for_pool",
     "reap_pool",
     "reaper_enabled",
     "reaper_loop",
@@ -104,8 +100,8 @@ __all__ = [
 
 log = logging.getLogger("impvm.operator.reaper")
 
-#: The only permission of the installation token a pass mints (seed 004: "an actions: read
-#: installation token").
+#: The only permission of the installation token a pass mints (an ``actions: read``
+#: installation token: least privilege for reading runs and jobs).
 REAPER_PERMISSIONS: Final[Mapping[str, str]] = {"actions": "read"}
 #: Type of the pool condition reporting the last pass.
 CONDITION_TYPE: Final = "Reaper"
@@ -120,7 +116,8 @@ DEFAULT_INTERVAL_SECONDS: Final = 300
 #: Seconds before a pass that failed with an unexpected error is retried.
 ERROR_RETRY_SECONDS: Final = 30.0
 
-_locks: dict[PoolKey, asyncio.Lock] = {}
+#: One lock per pool while a pass of it runs (weak: a lock nobody holds is forgotten).
+_locks: weakref.WeakValueDictionary[PoolKey, asyncio.Lock] = weakref.WeakValueDictionary()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -245,7 +242,7 @@ async def reap_pool(
     Returns the :class:`ReapReport` and records it on the pool (condition ``Reaper``, Events).
     A disabled reaper returns a report with ``skipped`` and touches nothing. Kubernetes errors
     other than those reported (listing, deleting) propagate as ``ApiError``; GitHub errors
-    never propagate. Source: seed 004, issue 7.
+    never propagate.
     """
     raw = _as_dict(pool)
     meta = raw["metadata"]
@@ -253,10 +250,13 @@ async def reap_pool(
     spec = _reaper_spec(raw)
     if spec is None or not spec.enabled:
         return ReapReport(namespace=ns, pool=name, skipped=True)
-    lock = _locks.setdefault((ns, name), asyncio.Lock())
+    key = PoolKey(ns, name)
+    lock = _locks.get(key)
+    if lock is None:
+        lock = _locks[key] = asyncio.Lock()
     async with lock:
         report = await _pass(kube, github, raw, spec, now, deregister)
-        await record_report(kube, raw, report)
+        await record_report(kube, raw, report, now)
     return report
 
 
@@ -507,13 +507,17 @@ async def _delete(
 # Reporting
 
 
-async def record_report(kube: AsyncClient, pool: Any, report: ReapReport) -> None:
+async def record_report(
+    kube: AsyncClient, pool: Any, report: ReapReport, now: dt.datetime | None = None
+) -> None:
     """Write the pool's ``Reaper`` condition from ``report`` (a status merge patch carrying the
     pool's other conditions unchanged, guarded by ``resourceVersion`` and retried on conflict)
     and, when the condition's status, reason or message changed to a failure, a Warning Event.
-    A skipped report writes nothing. Kubernetes failures are logged, not raised."""
+    ``now`` is when the pass ran (default: now). A skipped report writes nothing. Kubernetes
+    failures are logged, not raised."""
     if report.skipped:
         return
+    now = now or utcnow()
     raw = _as_dict(pool)
     ns, name = report.namespace, report.pool
     if report.error is not None:
@@ -540,7 +544,7 @@ async def record_report(kube: AsyncClient, pool: Any, report: ReapReport) -> Non
         fmeta = fresh["metadata"]
         conds = ConditionSet.from_status(fresh.get("status"), int(fmeta.get("generation", 0)))
         before = next((c for c in conds.as_list() if c["type"] == CONDITION_TYPE), None)
-        conds.set(CONDITION_TYPE, ok, reason, message)
+        conds.set(CONDITION_TYPE, ok, reason, message, now)
         after = next(c for c in conds.as_list() if c["type"] == CONDITION_TYPE)
         changed = before is None or any(
             before.get(k) != after[k] for k in ("status", "reason", "message")
@@ -594,47 +598,7 @@ async def _event(
 
 
 # --------------------------------------------------------------------------------------------
-# Credentials and the loop
-
-
-async def _pool_credentials(kube: AsyncClient, raw: Mapping[str, Any]) -> tuple[Credentials, str]:
-    ns = str(raw["metadata"]["namespace"])
-    platform = ImpVMRunnerPool.model_validate(raw).spec.platform
-    try:
-        sec = await kube.get(Secret, platform.credentials_secret, namespace=ns)
-    except ApiError as e:
-        if e.status.code in (403, 404):
-            raise CredentialsError(
-                f"credentials Secret {platform.credentials_secret!r} cannot be read "
-                f"(HTTP {e.status.code})"
-            ) from None
-        raise
-    data = {k: base64.b64decode(v) for k, v in (sec.data or {}).items()}
-    creds = credentials_from_secret(data, platform.token_source)
-    version = sec.metadata.resourceVersion if sec.metadata else ""
-    return creds, f"{version}|{platform.server_url}"
-
-
-async def github_client_for_pool(
-    kube: AsyncClient,
-    pool: Any,
-    *,
-    api_url: str | None = None,
-    request_timeout: float = 15.0,
-    retry: RetryPolicy | None = None,
-) -> GitHubClient:
-    """A :class:`GitHubClient` for the pool's credentials Secret
-    (``spec.platform.credentialsSecret`` in the pool's namespace, keys as in DESIGN.md).
-    ``api_url`` overrides the API base (the stand-in); ``request_timeout`` is seconds per request.
-
-    Raises :class:`CredentialsError` when the Secret is missing (404), unreadable (403) or
-    incomplete; the message names the Secret and key, never a value."""
-    raw = _as_dict(pool)
-    creds, _ = await _pool_credentials(kube, raw)
-    server_url = ImpVMRunnerPool.model_validate(raw).spec.platform.server_url
-    return GitHubClient(
-        creds, server_url=server_url, api_url=api_url, timeout=request_timeout, retry=retry
-    )
+# The loop
 
 
 async def reaper_loop(
@@ -645,61 +609,46 @@ async def reaper_loop(
 ) -> None:
     """Reaper passes for pool ``key`` until it is deleted: a pass, then ``spec.reaper.
     intervalSeconds`` of sleep (re-read each time). A pool whose reaper is disabled is only
-    re-checked at that interval. One loop per pool: passes never overlap. The loop keeps its
-    own :class:`GitHubClient` (rebuilt when the Secret changes), so the ``actions: read`` token
-    is minted about once an hour, not once per pass. Unexpected errors are logged and the pass
-    is retried after 30 s. Returns when the pool is gone or being deleted."""
+    re-checked at that interval. One loop per pool: passes never overlap. The loop gets its
+    client from the operator's provider (the pool's installation's, shared with the pool
+    controller), so the ``actions: read`` token is minted about once an hour, not once per
+    pass. Unexpected errors are logged and the pass is retried after 30 s. Returns when the
+    pool is gone or being deleted."""
     ns, name = key
-    client: GitHubClient | None = None
-    fingerprint = ""
-    s = ctx.settings
-    try:
-        while True:
-            try:
-                raw = (await ctx.kube.get(ImpVMRunnerPoolResource, name, namespace=ns)).to_dict()
-            except ApiError as e:
-                if e.status.code == 404:
-                    return
-                log.warning(
-                    "pool %s/%s: reaper cannot read the pool (HTTP %s)", ns, name, e.status.code
-                )
-                await sleep(ERROR_RETRY_SECONDS)
-                continue
-            if raw["metadata"].get("deletionTimestamp"):
+    while True:
+        try:
+            raw = (await ctx.kube.get(ImpVMRunnerPoolResource, name, namespace=ns)).to_dict()
+        except ApiError as e:
+            if e.status.code == 404:
                 return
-            spec = _reaper_spec(raw)
-            interval = float(spec.interval_seconds if spec else DEFAULT_INTERVAL_SECONDS)
-            if spec is None or not spec.enabled:
-                await sleep(interval)
-                continue
-            try:
-                creds, new_fp = await _pool_credentials(ctx.kube, raw)
-                if client is None or new_fp != fingerprint:
-                    if client is not None:
-                        await client.close()
-                    client = GitHubClient(
-                        creds,
-                        server_url=ImpVMRunnerPool.model_validate(raw).spec.platform.server_url,
-                        api_url=s.github_api_url,
-                        timeout=s.github_timeout,
-                        retry=s.github_retry,
-                    )
-                    fingerprint = new_fp
-                await reap_pool(ctx.kube, client, raw, dt.datetime.now(dt.UTC), deregister=client)
-            except CredentialsError as e:
-                report = ReapReport(
-                    namespace=ns,
-                    pool=name,
-                    error=f"{e}; deleted nothing",
-                    error_reason="CredentialsInvalid",
-                )
-                await record_report(ctx.kube, raw, report)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a failed pass is retried; messages carry no secrets
-                log.warning("pool %s/%s: reaper pass failed: %s: %s", ns, name, type(e).__name__, e)
-                interval = min(interval, ERROR_RETRY_SECONDS)
+            log.warning(
+                "pool %s/%s: reaper cannot read the pool (HTTP %s)", ns, name, e.status.code
+            )
+            await sleep(ERROR_RETRY_SECONDS)
+            continue
+        if raw["metadata"].get("deletionTimestamp"):
+            return
+        spec = _reaper_spec(raw)
+        interval = float(spec.interval_seconds if spec else DEFAULT_INTERVAL_SECONDS)
+        if spec is None or not spec.enabled:
             await sleep(interval)
-    finally:
-        if client is not None:
-            await client.close()
+            continue
+        now = ctx.clock.now()
+        try:
+            platform = ImpVMRunnerPool.model_validate(raw).spec.platform
+            client = await ctx.github.client(ns, platform)
+            await reap_pool(ctx.kube, client, raw, now, deregister=client)
+        except CredentialsError as e:
+            report = ReapReport(
+                namespace=ns,
+                pool=name,
+                error=f"{e}; deleted nothing",
+                error_reason="CredentialsInvalid",
+            )
+            await record_report(ctx.kube, raw, report, now)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a failed pass is retried; messages carry no secrets
+            log.warning("pool %s/%s: reaper pass failed: %s: %s", ns, name, type(e).__name__, e)
+            interval = min(interval, ERROR_RETRY_SECONDS)
+        await sleep(interval)

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import base64
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from cryptography.hazmat.primitives import serialization
-from lightkube import AsyncClient
-from lightkube.core.exceptions import ApiError
-from lightkube.resources.core_v1 import Secret
 
+from impvm.agent.signing import key_fingerprint
 from impvm.api.models import (
     PUBLIC_KEY_PEM_PATTERN,
     VERIFY_PUBLIC_KEY_MAX_LENGTH,
-    ImpVMTemplate,
+    ImpVMTemplateSpec,
 )
+from impvm.scaling.world import VerifyKey
 
 _PEM = re.compile(PUBLIC_KEY_PEM_PATTERN)
 
@@ -28,25 +29,28 @@ class VerifyKeyError(Exception):
     Secret and the key (the value is not secret, but is not repeated either)."""
 
 
-async def read_verify_key(kube: AsyncClient, namespace: str, template: ImpVMTemplate) -> str | None:
-    """The PEM public key new VMs of ``template`` (in ``namespace``) must be verified with, or
+def secret_of(template: ImpVMTemplateSpec) -> str | None:
+    """Name of the Secret holding the template's public key (None: no signatures required)."""
+    return template.verify.public_key_secret_ref.name if template.verify else None
+
+
+def verify_key(
+    namespace: str, template: ImpVMTemplateSpec, secret: Mapping[str, Any] | None
+) -> VerifyKey | None:
+    """The public key new VMs of ``template`` (in ``namespace``) must be verified with, from
+    ``secret`` (the body of the Secret :func:`secret_of` names, None when it does not exist), or
     None when the template does not ask for signatures. Raises :class:`VerifyKeyError`; a VM
-    must then not be created (it would boot unverified images), and ApiError for API failures
-    other than 404."""
-    verify = template.spec.verify
+    must then not be created (it would boot unverified images)."""
+    verify = template.verify
     if verify is None:
         return None
     ref = verify.public_key_secret_ref
     where = (
         f"verify.publicKeySecretRef of the template: Secret {namespace}/{ref.name} key {ref.key}"
     )
-    try:
-        sec = await kube.get(Secret, ref.name, namespace=namespace)
-    except ApiError as e:
-        if e.status.code != 404:
-            raise
-        raise VerifyKeyError(f"{where}: Secret not found") from None
-    raw = (sec.data or {}).get(ref.key)
+    if secret is None:
+        raise VerifyKeyError(f"{where}: Secret not found")
+    raw = (secret.get("data") or {}).get(ref.key)
     if raw is None:
         raise VerifyKeyError(f"{where}: the Secret has no such key")
     try:
@@ -54,6 +58,7 @@ async def read_verify_key(kube: AsyncClient, namespace: str, template: ImpVMTemp
         if len(pem) > VERIFY_PUBLIC_KEY_MAX_LENGTH or not _PEM.match(pem):
             raise ValueError("not one PEM PUBLIC KEY block")
         serialization.load_pem_public_key(pem.encode())
+        fingerprint = key_fingerprint(pem)[0]
     except ValueError as e:  # UnicodeDecodeError and binascii.Error are ValueErrors
         raise VerifyKeyError(f"{where}: not a PEM public key ({e})") from None
-    return pem
+    return VerifyKey(pem=pem, fingerprint=fingerprint)

@@ -4,9 +4,8 @@ remove, and which pool a job belongs to. No I/O; see :mod:`impvm.scaling.pool`,
 
 from impvm.scaling.labels import (
     DEFAULT_RUNNER_LABELS,
-    PoolKey,
+    PoolLabels,
     choose_pool,
-    demand_by_pool,
     job_matches,
     normalise_labels,
 )
@@ -41,7 +40,7 @@ __all__ = [
     "DEFAULT_RUNNER_LABELS",
     "Counts",
     "JobQueued",
-    "PoolKey",
+    "PoolLabels",
     "PoolLimits",
     "PoolSnapshot",
     "Reason",
@@ -59,7 +58,6 @@ __all__ = [
     "choose_pool",
     "classify",
     "decide",
-    "demand_by_pool",
     "job_matches",
     "normalise_labels",
     "parse_demand",

@@ -1,9 +1,9 @@
 """The job table: what the operator knows of workflow jobs, fed by webhooks and polling.
 
 Pure and in-memory (no I/O, time is an argument): after a restart it is rebuilt from GitHub (a
-poll) and from ``ImpVM.status.job`` (DESIGN.md: in-memory state is a cache).
+poll) and from ``ImpVM.status.job`` (docs/architecture.md: in-memory state is a cache).
 
-Rules (issue 6):
+Rules:
 
 - a job's state only moves forward: queued/waiting → in_progress → completed; a delivery that
   would move it back (GitHub does not guarantee order) changes nothing;
@@ -12,7 +12,8 @@ Rules (issue 6):
   it matches, then :func:`impvm.scaling.labels.choose_pool` (tightest fit, deterministic);
 - pending demand of a pool = its queued jobs not yet assigned a runner;
 - completed jobs are dropped (a tombstone remembers them so a late delivery cannot resurrect
-  them); a queued job that polling shows completed or gone is dropped (stale-job sweep).
+  them); a queued or in-progress job that a complete poll shows completed or gone is dropped
+  (stale-job sweep: its ``completed`` delivery was lost, so it would stay forever).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
-from impvm.scaling.labels import PoolKey, choose_pool
+from impvm.scaling.labels import PoolLabels, choose_pool
 
 #: Rank of each GitHub job status; ``waiting`` (environment protection) is still queued for us.
 _RANK = {"queued": 0, "waiting": 0, "in_progress": 1, "completed": 2}
@@ -32,7 +33,7 @@ _RANK = {"queued": 0, "waiting": 0, "in_progress": 1, "completed": 2}
 class PoolScope:
     """A pool as job routing needs it: key (with labels) and its scope (org or owner/name)."""
 
-    key: PoolKey
+    key: PoolLabels
     org: str | None = None
     repo: str | None = None
 
@@ -67,7 +68,7 @@ class Job:
         return _RANK.get(self.status, 0) == 0
 
 
-def route(job: Job, pools: Sequence[PoolScope]) -> PoolKey | None:
+def route(job: Job, pools: Sequence[PoolScope]) -> PoolLabels | None:
     """The pool ``job`` belongs to (None: no pool matches; counted as unmatched)."""
     candidates = [
         p.key
@@ -135,7 +136,7 @@ class JobTable:
         self.jobs[job.id] = job
         return job
 
-    def pending(self, pool: PoolKey, pools: Sequence[PoolScope]) -> int:
+    def pending(self, pool: PoolLabels, pools: Sequence[PoolScope]) -> int:
         """Queued jobs routed to ``pool`` and not yet assigned a runner."""
         return sum(1 for j in self.jobs.values() if j.queued and route(j, pools) == pool)
 
@@ -153,22 +154,33 @@ class JobTable:
         }
 
     def sweep(
-        self, repositories: Iterable[str], still_queued: Iterable[int], before: datetime
+        self,
+        repositories: Iterable[str],
+        still_queued: Iterable[int],
+        before: datetime,
+        still_running: Iterable[int] | None = None,
     ) -> list[int]:
         """Stale-job sweep after a complete poll of ``repositories``: drop queued jobs of those
-        repositories that the poll did not see queued, if they were recorded before the poll
-        started (``before``; a job queued by a webhook during the poll is kept). Returns the ids
-        dropped."""
+        repositories that the poll did not see queued, and — when the poll also listed the
+        running jobs (``still_running``: ids it saw queued or in progress) — in-progress jobs it
+        did not see (their run finished and the ``completed`` delivery was lost). Only jobs
+        recorded before the poll started (``before``) are dropped: a job a webhook recorded
+        during the poll is kept. Dropped in-progress jobs are remembered as completed, so a late
+        delivery cannot bring them back. Returns the ids dropped."""
         repos = {r.casefold() for r in repositories}
         keep = set(still_queued)
+        running = None if still_running is None else set(still_running) | keep
         dropped = [
             j.id
             for j in self.jobs.values()
-            if j.queued
-            and j.repository.casefold() in repos
-            and j.id not in keep
+            if j.repository.casefold() in repos
             and j.seen_at < before
+            and (
+                (j.queued and j.id not in keep)
+                or (not j.queued and running is not None and j.id not in running)
+            )
         ]
         for i in dropped:
-            del self.jobs[i]
+            if not self.jobs.pop(i).queued:
+                self._remember(self._completed, i)
         return dropped

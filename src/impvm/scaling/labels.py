@@ -1,4 +1,4 @@
-"""Which pool a queued GitHub Actions job belongs to (pure; issue 6).
+"""Which pool a queued GitHub Actions job belongs to (pure).
 
 GitHub routes a job to a self-hosted runner only when *every* label in the job's ``runs-on`` is
 one of the runner's labels, compared case-insensitively ("Choosing the runner for a job",
@@ -14,17 +14,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from impvm.api.models import PoolKey
+
 __all__ = [
     "DEFAULT_RUNNER_LABELS",
-    "PoolKey",
+    "PoolLabels",
     "choose_pool",
-    "demand_by_pool",
     "job_matches",
     "normalise_labels",
 ]
 
 #: Labels every pool runner reports besides the pool's own: ``self-hosted`` (GitHub adds it to
-#: every self-hosted runner; we also pass it in the JIT request, seed 000 step 4) and the
+#: every self-hosted runner; we also pass it in the JIT request) and the
 #: operating system and architecture labels the runner program reports for our Linux x86-64 VMs.
 DEFAULT_RUNNER_LABELS: frozenset[str] = frozenset({"self-hosted", "linux", "x64"})
 
@@ -47,8 +48,7 @@ def job_matches(
 
     True when every job label, case-folded, is in the union of ``pool_labels`` and
     ``runner_labels`` (case-folded; ``runner_labels`` defaults to
-    :data:`DEFAULT_RUNNER_LABELS`). Source: issue 6, GitHub Docs
-    "Choosing the runner for a job".
+    :data:`DEFAULT_RUNNER_LABELS`). Source: GitHub Docs "Choosing the runner for a job".
 
     An **empty** ``job_labels`` matches nothing: GitHub never queues a job without a label (a
     ``runs-on`` is required), so an empty list means the caller lost the labels, and routing such
@@ -61,26 +61,31 @@ def job_matches(
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PoolKey:
+class PoolLabels:
     """A pool as seen by job routing: ``namespace``/``name`` and its ``spec.labels``."""
 
     namespace: str
     name: str
     labels: tuple[str, ...] = ()
 
+    @property
+    def key(self) -> PoolKey:
+        """The pool's identity, without its labels."""
+        return PoolKey(self.namespace, self.name)
+
 
 def choose_pool(
     job_labels: Iterable[str],
-    pools: Sequence[PoolKey],
+    pools: Sequence[PoolLabels],
     runner_labels: Iterable[str] = DEFAULT_RUNNER_LABELS,
-) -> PoolKey | None:
+) -> PoolLabels | None:
     """The one pool a job belongs to, or None when no pool matches (see :func:`job_matches`).
 
     A job matching several pools goes to exactly one, deterministically: the pool with the fewest
     distinct labels (the tightest fit, so a big runner does not take a small job), ties broken by
     ``(namespace, name)`` (pools are unique by it; should two entries share one, their sorted
     labels decide). Labels a pool repeats, or that every runner reports anyway
-    (``runner_labels``), do not count towards its size. Source: issue 6.
+    (``runner_labels``), do not count towards its size.
 
     ``pools`` must already be restricted to pools whose ``platform.scope`` covers the job's
     repository (the caller knows the scopes; this function only compares labels).
@@ -99,23 +104,3 @@ def choose_pool(
             tuple(sorted(p.labels)),
         ),
     )
-
-
-def demand_by_pool(
-    jobs: Iterable[Sequence[str]],
-    pools: Sequence[PoolKey],
-    runner_labels: Iterable[str] = DEFAULT_RUNNER_LABELS,
-) -> dict[PoolKey, int]:
-    """Count queued jobs per pool: each job (given as its label list) goes to
-    :func:`choose_pool`'s pool; jobs matching no pool are not counted.
-
-    Returns ``{pool: queued jobs}`` with an entry (possibly 0) for every pool in ``pools``; the
-    count is a pool's "queued jobs matching the pool's labels" of seed 000 step 1 / issue 6.
-    """
-    implicit = normalise_labels(runner_labels)
-    counts = dict.fromkeys(pools, 0)
-    for labels in jobs:
-        pool = choose_pool(labels, pools, implicit)
-        if pool is not None:
-            counts[pool] += 1
-    return counts

@@ -18,17 +18,16 @@ class NodeLease:
 
 
 def lost_nodes(leases: list[NodeLease], now: dt.datetime, grace_seconds: float = 60.0) -> set[str]:
-    """Nodes whose Lease expired more than ``grace_seconds`` ago (never renewed counts as
-    expired)."""
-    out = set()
+    """Nodes whose every Lease expired more than ``grace_seconds`` ago (never renewed counts as
+    expired). A node may have Leases in several namespaces (an agent restarted with another
+    ``--lease-namespace``): one live Lease keeps it."""
+    expired: dict[str, bool] = {}
     for lease in leases:
-        if lease.renewed_at is None:
-            out.add(lease.node)
-            continue
-        age = (now - lease.renewed_at).total_seconds()
-        if age > lease.duration_seconds + grace_seconds:
-            out.add(lease.node)
-    return out
+        dead = lease.renewed_at is None or (
+            (now - lease.renewed_at).total_seconds() > lease.duration_seconds + grace_seconds
+        )
+        expired[lease.node] = expired.get(lease.node, True) and dead
+    return {node for node, dead in expired.items() if dead}
 
 
 def node_lost(node: str | None, known: set[str], lost: set[str]) -> bool:

@@ -1,33 +1,38 @@
 """Pool sizing and two-way reconciliation with GitHub: one pure decision per reconcile pass.
 
-``decide(snapshot) -> ScalePlan``. The pool controller (the imperative shell) observes a
+``decide(snapshot) -> ScalePlan``. The pool pass (:mod:`impvm.scaling.poolpass`) builds a
 :class:`PoolSnapshot` — the pool's limits, its ImpVMs as Kubernetes reports them, the pool's
 runner registrations as GitHub reports them, the demand signals and the clock — and carries out
 the returned :class:`ScalePlan`. Nothing here does I/O or reads a clock.
 
 Rules and their sources:
 
-* Seed 000 step 1 / issue "pool sizing": terminal VMs (``Succeeded``/``Failed``) are deleted,
-  each runner being single-use; ``desired = min(maxConcurrent, busy + pending + minIdle)`` with
+* Pool sizing: terminal VMs (``Succeeded``/``Failed``) are deleted, each runner being
+  single-use; ``desired = min(maxConcurrent, busy + pending + minIdle)`` with
   ``pending = max(queued matching jobs, imp.dev/runner-demand)``; at most ``scaleUpStep`` VMs are
   created per pass; never more than ``maxConcurrent`` VMs exist at once (VMs being deleted still
   hold resources and count); surplus idle runners are removed only once ``cooldownSeconds`` have
   passed since the last scale-up; a scale-down never deletes a busy runner; with ``minIdle`` 0
   and no demand the pool scales to zero.
-* Issue 6 (two-way reconciliation, GARM-style, touching only this pool's runners): a
-  registration with no VM is deleted once offline; a VM whose runner has not come online within
+* Two-way reconciliation (GARM-style, touching only this pool's runners): a registration with
+  no VM is deleted once offline; a VM whose runner has not come online within
   ``bootstrapTimeoutSeconds`` is deleted together with its registration; a VM whose registration
   vanished while idle is deleted so that a replacement is made.
-* DESIGN.md (idempotent, level-triggered): a VM whose JIT Secret was never written gets one
+* Idempotent, level-triggered: a VM whose JIT Secret was never written gets one
   (:attr:`ScalePlan.mint_secrets`), or is replaced by the bootstrap timeout.
+* Template roll-out (ARC: a spec-hash change recycles idle runners only): a VM made from an
+  older template (:attr:`VMView.outdated`) does not count as supply, so a replacement is made;
+  an outdated VM that is not busy is deleted, at most ``scaleUpStep`` per pass, and an idle one
+  only while at least ``minIdle`` idle runners remain; a busy one finishes its job first.
 
 How the caller should observe, so the decision is sound:
 
 * List the pool's GitHub registrations **before** listing its ImpVMs. A JIT registration is
-  made only after its VM exists (seed 000: VM before Secret), so every registration seen then
-  has its VM in the VM list and is never mistaken for an orphan.
+  made only after its VM exists (VM before Secret), so every registration seen then has its VM
+  in the VM list and is never mistaken for an orphan.
 * Pass ``runners=None`` when the registrations could not be listed this pass (GitHub
-  unavailable, rate-limited): the plan then makes no GitHub-based decision at all.
+  unavailable, rate-limited): the plan then makes no GitHub-based decision at all, and each VM
+  counts as its recorded ``status.runner`` says (an idle runner stays idle, not starting).
 
 All durations are in seconds; every datetime must be timezone-aware.
 """
@@ -39,7 +44,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from impvm.api.models import TERMINAL_PHASES, ImpVMRunnerPoolSpec, ImpVMStatus
+from impvm.api.models import TERMINAL_PHASES, ImpVMRunnerPoolSpec, ImpVMStatus, VMPhase
 
 __all__ = [
     "DEFAULT_BOOTSTRAP_TIMEOUT_SECONDS",
@@ -59,11 +64,11 @@ __all__ = [
     "parse_demand",
 ]
 
-#: Default of ``ImpVMRunnerPool.spec.bootstrapTimeoutSeconds`` (issue 6).
+#: Default of ``ImpVMRunnerPool.spec.bootstrapTimeoutSeconds``.
 DEFAULT_BOOTSTRAP_TIMEOUT_SECONDS = 300
 
 #: Phase of a VM the agent is shutting down: it still holds resources but takes no job.
-_TERMINATING_PHASE = "Terminating"
+_TERMINATING_PHASE = VMPhase.TERMINATING
 
 
 class Reason(StrEnum):
@@ -74,6 +79,7 @@ class Reason(StrEnum):
     BOOTSTRAP_TIMEOUT = "BootstrapTimeout"
     REGISTRATION_VANISHED = "RegistrationVanished"
     SURPLUS = "Surplus"
+    OUTDATED = "Outdated"
     ORPHAN_REGISTRATION = "OrphanRegistration"
 
 
@@ -112,6 +118,9 @@ class VMView:
     - ``runner_id``: ``status.runner.id``, recorded when the JIT config was minted.
     - ``has_secret``: the JIT Secret named by ``spec.runnerConfigSecret`` exists.
     - ``job_id``: ``status.job.id``, recorded once the runner took a job.
+    - ``runner_online`` / ``runner_busy``: ``status.runner.online`` / ``.busy`` as last copied
+      from GitHub (used only when the registrations cannot be listed this pass).
+    - ``outdated``: the VM was made from another template than the pool's current one.
     """
 
     name: str
@@ -122,6 +131,9 @@ class VMView:
     runner_id: int | None = None
     has_secret: bool = False
     job_id: int | None = None
+    runner_online: bool | None = None
+    runner_busy: bool | None = None
+    outdated: bool = False
 
     def __post_init__(self) -> None:
         _require_aware(f"VM {self.name} created_at", self.created_at)
@@ -136,6 +148,7 @@ class VMView:
         deleting: bool,
         has_secret: bool,
         status: ImpVMStatus | None,
+        outdated: bool = False,
     ) -> VMView:
         """Build a view from an ImpVM's metadata facts and its parsed ``status``."""
         s = status or ImpVMStatus()
@@ -148,6 +161,9 @@ class VMView:
             runner_id=s.runner.id if s.runner else None,
             has_secret=has_secret,
             job_id=s.job.id if s.job else None,
+            runner_online=s.runner.online if s.runner else None,
+            runner_busy=s.runner.busy if s.runner else None,
+            outdated=outdated,
         )
 
 
@@ -190,7 +206,7 @@ class PoolLimits:
 
         Raises ValueError naming the field when ``scaling`` or one of ``minIdle``,
         ``maxConcurrent``, ``scaleUpStep``, ``cooldownSeconds`` is missing (the CRD's CEL rules
-        require them for github-actions pools, seed 000).
+        require them for github-actions pools).
         """
         sc = spec.scaling
         if sc is None:
@@ -271,7 +287,8 @@ class Counts:
     """The pool as observed at the start of the pass (before this plan is carried out), plus
     the target: ``starting``, ``idle``, ``busy``, ``terminating`` (deleting, Terminating or
     terminal) partition ``total`` (every VM of the pool); ``desired`` is the live VM count the
-    controller aims for and ``pending`` the demand it used. Fits ``ImpVMRunnerPoolStatus``."""
+    controller aims for and ``pending`` the demand it used; ``outdated`` counts the live VMs
+    made from an older template. Fits ``ImpVMRunnerPoolStatus``."""
 
     starting: int
     idle: int
@@ -280,6 +297,7 @@ class Counts:
     total: int
     desired: int
     pending: int
+    outdated: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -328,7 +346,8 @@ class ScalePlan:
     - ``counts``: :class:`Counts`.
     - ``create``: number of new ImpVMs to create (each then gets its JIT Secret).
     - ``create_reason``: why ``create`` has its value (a sentence with the arithmetic).
-    - ``delete_vms``: :class:`VMDeletion` s, terminal first, then GitHub-based, then surplus.
+    - ``delete_vms``: :class:`VMDeletion` s, terminal first, then GitHub-based, then surplus,
+      then outdated (template roll-out).
     - ``delete_registrations``: :class:`RegistrationDeletion` s of offline orphans.
     - ``mint_secrets``: :class:`SecretMint` s for VMs lacking their JIT Secret.
     - ``scaled_up``: ``create > 0``; the caller then sets ``status.lastScaleUpTime = now``.
@@ -387,6 +406,18 @@ def classify(vm: VMView, registration: RunnerView | None) -> VMState:
     return VMState.STARTING
 
 
+def _recorded(vm: VMView) -> RunnerView | None:
+    """The VM's runner as its status last recorded it (for a pass that cannot list them)."""
+    if vm.runner_online is None and vm.runner_busy is None:
+        return None
+    return RunnerView(
+        id=vm.runner_id or 0,
+        name=vm.name,
+        online=bool(vm.runner_online),
+        busy=bool(vm.runner_busy),
+    )
+
+
 def _age_seconds(now: datetime, since: datetime) -> float:
     return (now - since).total_seconds()
 
@@ -423,7 +454,7 @@ def decide(snapshot: PoolSnapshot) -> ScalePlan:
     kept: list[tuple[VMView, VMState]] = []  # live VMs not deleted this pass
 
     for vm in sorted(snapshot.vms, key=lambda v: v.name):
-        reg = inv.registration(vm)
+        reg = inv.registration(vm) if inventory_known else _recorded(vm)
         state = classify(vm, reg)
         observed[state] += 1
         if state is VMState.TERMINATING:
@@ -490,7 +521,7 @@ def decide(snapshot: PoolSnapshot) -> ScalePlan:
                 )
         kept.append((vm, state))
 
-    # Registrations this pool made that no VM accounts for (issue 6).
+    # Registrations this pool made that no VM accounts for.
     orphans: list[RegistrationDeletion] = []
     if inventory_known:
         claimed_ids = {vm.runner_id for vm in snapshot.vms if vm.runner_id is not None}
@@ -513,9 +544,12 @@ def decide(snapshot: PoolSnapshot) -> ScalePlan:
                 )
             )
 
+    # outdated VMs that are not busy are being replaced: they are not supply
+    replaced = [(vm, s) for vm, s in kept if vm.outdated and s is not VMState.BUSY]
+    current = [(vm, s) for vm, s in kept if not (vm.outdated and s is not VMState.BUSY)]
     busy = sum(1 for _, s in kept if s is VMState.BUSY)
-    idle = sum(1 for _, s in kept if s is VMState.IDLE)
-    starting = sum(1 for _, s in kept if s is VMState.STARTING)
+    idle = sum(1 for _, s in current if s is VMState.IDLE)
+    starting = sum(1 for _, s in current if s is VMState.STARTING)
     supply = busy + idle + starting
     demand_note = (
         f"queued {snapshot.queued_jobs}, annotation "
@@ -528,6 +562,8 @@ def decide(snapshot: PoolSnapshot) -> ScalePlan:
         f"{pending} ({demand_note}) + minIdle {lim.min_idle}); have {supply} live "
         f"(idle {idle}, starting {starting}, busy {busy})"
     )
+    if replaced:
+        formula += f" and {len(replaced)} outdated being replaced"
 
     create = 0
     surplus_deletions: list[VMDeletion] = []
@@ -557,7 +593,7 @@ def decide(snapshot: PoolSnapshot) -> ScalePlan:
             else _age_seconds(now, snapshot.last_scale_up_time)
         )
         removable = _surplus_order(
-            (vm, s) for vm, s in kept if s in (VMState.IDLE, VMState.STARTING)
+            (vm, s) for vm, s in current if s in (VMState.IDLE, VMState.STARTING)
         )
         if not inventory_known:
             notes.append(
@@ -590,6 +626,47 @@ def decide(snapshot: PoolSnapshot) -> ScalePlan:
                     f"{surplus - len(removable)} surplus VMs are busy and are never scaled down"
                 )
 
+    rollout: list[VMDeletion] = []
+    if replaced and inventory_known:
+        surplus_idle = {d.name for d in surplus_deletions}
+        ready = sum(1 for vm, s in kept if s is VMState.IDLE and vm.name not in surplus_idle)
+        oldest_first = sorted(
+            replaced,
+            key=lambda p: (p[1] is VMState.IDLE, p[0].created_at.timestamp(), p[0].name),
+        )
+        waiting = 0
+        for vm, s in oldest_first:
+            if len(rollout) >= lim.scale_up_step:
+                break
+            if s is VMState.IDLE:
+                if ready - 1 < lim.min_idle:
+                    waiting += 1
+                    continue
+                ready -= 1
+            reg = inv.registration(vm)
+            runner_id = reg.id if reg is not None else vm.runner_id
+            rollout.append(
+                VMDeletion(
+                    name=vm.name,
+                    runner_id=runner_id,
+                    reason=Reason.OUTDATED,
+                    message=f"{s.value} VM {vm.name} was made from an older template; "
+                    f"replacing it ({ready} idle runners stay ready, minIdle {lim.min_idle})",
+                    deregister_first=runner_id is not None,
+                )
+            )
+        if waiting:
+            notes.append(
+                f"{waiting} outdated idle VMs kept until replacements are ready "
+                f"(minIdle {lim.min_idle})"
+            )
+    elif replaced:
+        notes.append(
+            f"{len(replaced)} outdated VMs kept: the GitHub runner inventory is unknown, so "
+            "runners cannot be deregistered safely this pass"
+        )
+
+    removed = {d.name for d in (*surplus_deletions, *rollout)}
     counts = Counts(
         starting=observed[VMState.STARTING],
         idle=observed[VMState.IDLE],
@@ -598,13 +675,15 @@ def decide(snapshot: PoolSnapshot) -> ScalePlan:
         total=len(snapshot.vms),
         desired=desired,
         pending=pending,
+        outdated=sum(1 for vm, _ in kept if vm.outdated),
     )
     return ScalePlan(
         counts=counts,
         create=create,
         create_reason=create_reason,
-        delete_vms=(*terminal, *github_based, *surplus_deletions),
+        delete_vms=(*terminal, *github_based, *surplus_deletions, *rollout),
         delete_registrations=tuple(orphans),
-        mint_secrets=tuple(mints),
+        # a VM removed this pass (surplus, outdated) needs no JIT config any more
+        mint_secrets=tuple(m for m in mints if m.name not in removed),
         notes=tuple(notes),
     )

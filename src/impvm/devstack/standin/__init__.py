@@ -18,6 +18,7 @@ Out of process: ``impvm github-standin --host H --port P`` (:func:`serve`), then
 from __future__ import annotations
 
 import asyncio
+import socket
 
 from aiohttp import web
 
@@ -28,10 +29,16 @@ __all__ = ["StandIn", "StandInState", "serve"]
 
 
 class StandIn:
-    """An in-process stand-in on ``host``:``port`` (0 = a free port). ``url`` is the API base
+    """An in-process stand-in on ``host``:``port`` (0 = a free port), or on the listening
+    ``sock`` when given (e.g. one made inside another network namespace). ``url`` is the API base
     (``http://host:port``; ``url + "/api/v3"`` serves the same API GHES-style)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None
+    ) -> None:
+        self.sock = sock
+        if sock is not None:
+            host, port = sock.getsockname()[:2]
         self.host = host
         self.port = port
         self.state = StandInState()
@@ -50,7 +57,11 @@ class StandIn:
         self._app = build_app(self.state)
         runner = web.AppRunner(self._app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
+        site: web.BaseSite = (
+            web.SockSite(runner, self.sock)
+            if self.sock is not None
+            else web.TCPSite(runner, self.host, self.port)
+        )
         await site.start()
         if self.port == 0:
             self.port = int(runner.addresses[0][1])

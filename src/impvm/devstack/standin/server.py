@@ -64,6 +64,8 @@ from impvm.devstack.standin.state import (
 from impvm.github.webhooks import compute_signature
 
 API_PREFIXES = ("", "/api/v3")
+#: GitHub's limit on a runner name (characters); a longer JIT request name is answered 422.
+MAX_RUNNER_NAME = 64
 STATE_KEY = web.AppKey("state", StandInState)
 TASKS_KEY: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("tasks")
 
@@ -415,6 +417,10 @@ async def _jit(request: web.Request, org: str | None, repo: str | None) -> web.R
     group_id = body.get("runner_group_id")
     if not isinstance(name, str) or not name:
         raise ApiError(422, 'Invalid request.\n\n"name" wasn\'t supplied.')
+    if len(name) > MAX_RUNNER_NAME:
+        raise ApiError(
+            422, f"Invalid request.\n\nname is too long (maximum is {MAX_RUNNER_NAME} characters)."
+        )
     if not isinstance(labels, list) or not 1 <= len(labels) <= 100:
         raise ApiError(422, 'Invalid request.\n\n"labels" must have 1 to 100 items.')
     if not isinstance(group_id, int):
@@ -699,6 +705,9 @@ async def runner_acquire(request: web.Request) -> web.Response:
     if runner.job_id is not None:
         return web.json_response({"error": "ephemeral runner already took a job"}, status=409)
     while True:
+        if state.runners.get(runner.id) is not runner:
+            # deregistered during the long poll: GitHub hands it no job (its session is gone)
+            raise web.HTTPNotFound(text="runner registration was deleted")
         runner.last_seen = time.time()  # a long poll is contact
         for job in sorted(state.jobs.values(), key=lambda j: j.id):
             if job.status == "queued" and state.runner_can_take(runner, job):

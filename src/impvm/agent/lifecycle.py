@@ -1,0 +1,566 @@
+"""The node agent's decisions about one VM, as one pure function: ``decide(VMObservation) ->
+AgentAction``. No I/O: the agent shell (:mod:`impvm.agent.agent`) observes (watch caches, the
+runtime, what it did itself), calls :func:`decide`, carries out the action's steps in order and
+decides again; a step that fails leaves the rest undone and the next decision starts from what is
+observed then (level-triggered, like a Kubernetes controller).
+
+The ladder, first match wins (each rung names its :class:`Why`):
+
+1. the VM is gone: stop and clean up what this agent still runs for it;
+2. unbound: refuse a VM whose ImpVMClass is missing (condition ``ClassMissing`` naming the
+   class, and an Event); claim nothing while the host preflight fails; claim what fits the
+   node's free capacity: ``spec.nodeName`` + finalizer in one update carrying the VM's
+   resourceVersion, so of several racing agents exactly one wins;
+3. bound to another node: nothing to do;
+4. being deleted, or finished (Succeeded/Failed): stop, clean up, and only then release the
+   finalizer (never before the runtime reported the VM stopped and its files are removed);
+5. bound here without the finalizer (created with ``spec.nodeName``): add it;
+6. not started (no phase, Pending, Scheduled): report Scheduled, prepare the image (pull by
+   digest, verify, check signatures when the VM requires them, unpack), wait for the JIT
+   config Secret, start;
+7. started (Starting, Running): report Running; finish with the runner's exit (Succeeded on 0);
+   fail on the ``expireAfter`` deadline (DeadlineExceeded), on a start that takes longer than
+   the start timeout (StartTimeout), or when the runtime no longer knows the VM (Lost).
+
+The VM's own network (:mod:`impvm.agent.network`) sits at the two ends of the runtime's run: the
+runtime attaches it inside :class:`Start` just before the launch and detaches it inside
+:class:`Cleanup` just after the stop (:class:`~impvm.agent.runtime_base.RuntimeBase`), so a failed
+attach is a StartFailed like any other and every path that cleans a VM up removes its network.
+
+Where later capabilities slot in, without reshaping: a failing host preflight already gates
+claims (:class:`Preflight`); signature verification is part of :class:`Prepare`
+(a refusal arrives as :attr:`LocalFacts.failure`, every outcome as
+:attr:`LocalFacts.verification`, reported in the ``ImageVerified`` condition); keeping the
+console of a failed VM is an option of :class:`Cleanup` chosen in :func:`_fail`/:func:`_finish`;
+re-attaching a VM that survived an agent restart is a runtime status other than ``missing``
+handled in rung 7.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from impvm.agent.capacity import Resources, fits
+from impvm.agent.runtime import RuntimeState, Verification
+from impvm.api.durations import resolve_expire_after
+from impvm.api.models import (
+    AGENT_FINALIZER,
+    TERMINAL_PHASES,
+    Condition,
+    ImpVM,
+    ImpVMStatus,
+    VMPhase,
+)
+from impvm.api.times import k8s_time
+
+#: Phases of a VM the runtime has not been asked to start.
+NOT_STARTED: frozenset[VMPhase | None] = frozenset({None, VMPhase.PENDING, VMPhase.SCHEDULED})
+#: Condition an agent sets on a VM whose ImpVMClass does not exist.
+CLASS_MISSING = "ClassMissing"
+#: Condition reporting the signature check of a VM's image and runner layer.
+IMAGE_VERIFIED = "ImageVerified"
+#: How much of a console tail or failure message goes into ``status.message`` / an Event.
+MESSAGE_CHARS = 2000
+EVENT_CHARS = 500
+
+
+# ---------------------------------------------------------------------------------- what is seen
+
+
+@dataclass(frozen=True)
+class VMRecord:
+    """An ImpVM as the agent sees it: metadata it needs, the parsed spec and status."""
+
+    namespace: str
+    name: str
+    uid: str
+    resource_version: str
+    deleting: bool
+    finalizers: tuple[str, ...]
+    vm: ImpVM
+
+    @classmethod
+    def from_object(cls, raw: Mapping[str, Any]) -> VMRecord:
+        """Parse an ImpVM as the API server sends it. Raises pydantic's ``ValidationError``."""
+        meta = raw.get("metadata") or {}
+        return cls(
+            namespace=meta.get("namespace") or "",
+            name=meta.get("name") or "",
+            uid=meta.get("uid") or "",
+            resource_version=str(meta.get("resourceVersion") or ""),
+            deleting=bool(meta.get("deletionTimestamp")),
+            finalizers=tuple(meta.get("finalizers") or ()),
+            vm=ImpVM.model_validate(dict(raw)),
+        )
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(namespace, name)``."""
+        return (self.namespace, self.name)
+
+    @property
+    def vm_id(self) -> str:
+        """The runtime's id of this VM: ``<namespace>.<name>.<uid[:8]>`` (unique per object)."""
+        return f"{self.namespace}.{self.name}.{self.uid[:8]}"
+
+    @property
+    def node_name(self) -> str | None:
+        """``spec.nodeName`` (None or ``""``: unbound)."""
+        return self.vm.spec.node_name
+
+    @property
+    def class_name(self) -> str:
+        """``spec.classRef.name``."""
+        return self.vm.spec.class_ref.name
+
+    @property
+    def status(self) -> ImpVMStatus:
+        """``status`` (empty when the object has none yet)."""
+        return self.vm.status or ImpVMStatus()
+
+    @property
+    def phase(self) -> VMPhase | None:
+        """``status.phase``."""
+        return self.status.phase
+
+    def condition(self, type_: str) -> Condition | None:
+        """The condition of ``type_``, if set."""
+        return next((c for c in self.status.conditions or () if c.type == type_), None)
+
+
+def holds_capacity(vm: VMRecord, node: str) -> bool:
+    """Whether ``vm`` counts against ``node``'s capacity: bound there and not yet released."""
+    return vm.node_name == node and AGENT_FINALIZER in vm.finalizers
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """Whether this host can run VMs at all (``reason`` says why not). An agent whose runtime
+    cannot work claims nothing."""
+
+    ok: bool = True
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The agent's settings that decisions use (seconds)."""
+
+    runtime_name: str = "process"
+    tick_seconds: float = 1.0
+    start_timeout_seconds: float = 300.0
+    stop_grace_seconds: float = 10.0
+    jit_retry_seconds: float = 2.0
+
+
+@dataclass(frozen=True)
+class LocalFacts:
+    """What this agent did for one VM and learnt doing it. Kept in memory by the shell and
+    forgotten with the VM; all unset after an agent restart.
+
+    ``prepared``: its image is ready; ``failure``: ``(exitReason, message)`` of a prepare or
+    start that failed; ``jit_missing_at``: when a start found no JIT config in the VM's Secret;
+    ``cleaned``: the runtime removed everything of the VM since it last ran;
+    ``verification``: the outcome of the signature check of a VM whose spec has ``verify``
+    (made in :class:`Prepare`; a refusal also sets ``failure``), reported in its
+    ``ImageVerified`` condition.
+    """
+
+    prepared: bool = False
+    failure: tuple[str, str] | None = None
+    jit_missing_at: datetime | None = None
+    cleaned: bool = False
+    verification: Verification | None = None
+
+
+@dataclass(frozen=True)
+class VMObservation:
+    """Everything :func:`decide` looks at for one VM.
+
+    ``vm``: the VM (None when it is gone); ``size``: its class's vCPU/MiB (None when the class
+    does not exist); ``runtime``: what the runtime reports (status ``missing`` when it knows
+    nothing of the VM); ``capacity``: the node's; ``used``: by the other VMs bound here and not
+    released; ``now``: the one clock.
+    """
+
+    node: str
+    now: datetime
+    vm: VMRecord | None
+    size: Resources | None
+    runtime: RuntimeState
+    capacity: Resources
+    used: Resources
+    local: LocalFacts = field(default_factory=LocalFacts)
+    preflight: Preflight = field(default_factory=Preflight)
+    policy: Policy = field(default_factory=Policy)
+
+
+# ---------------------------------------------------------------------------------- what is done
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Bind the VM to this node: ``spec.nodeName`` and the agent finalizer, conditional on the
+    observed resourceVersion (409 when another agent was faster). ``size`` is then accounted."""
+
+    size: Resources
+
+
+@dataclass(frozen=True)
+class AddFinalizer:
+    """Add the agent finalizer (conditional on the observed resourceVersion)."""
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    """Merge ``fields`` into ``status`` (wire names and values)."""
+
+    fields: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Emit:
+    """Record a Kubernetes Event about the VM."""
+
+    reason: str
+    message: str
+    warning: bool = False
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """Make the image and runner layer ready (the runtime's ``prepare``, which checks their
+    signatures when the VM requires it); a failure is remembered as :attr:`LocalFacts.failure`
+    (ImagePullFailed, or the signature refusal's reason), a signature check's outcome as
+    :attr:`LocalFacts.verification`."""
+
+
+@dataclass(frozen=True)
+class Start:
+    """Read the JIT config from the VM's Secret and start the VM with it. No JIT config yet:
+    remembered as :attr:`LocalFacts.jit_missing_at`; a failure as :attr:`LocalFacts.failure`
+    (StartFailed)."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop the VM (graceful, killed after ``grace_seconds``)."""
+
+    grace_seconds: float
+
+
+@dataclass(frozen=True)
+class Cleanup:
+    """Remove everything of the VM on this node (the runtime's ``cleanup``)."""
+
+
+@dataclass(frozen=True)
+class Release:
+    """Remove the agent finalizer (conditional on the observed resourceVersion)."""
+
+
+Step = Claim | AddFinalizer | PatchStatus | Emit | Prepare | Start | Stop | Cleanup | Release
+
+
+class Why(StrEnum):
+    """Which rung of the ladder decided (for logs and tests)."""
+
+    GONE = "gone"
+    NOT_CLAIMABLE = "not-claimable"
+    CLASS_MISSING = "class-missing"
+    PREFLIGHT_FAILED = "preflight-failed"
+    NO_CAPACITY = "no-capacity"
+    CLAIM = "claim"
+    OTHER_NODE = "other-node"
+    DELETING = "deleting"
+    FINISHED = "finished"
+    RELEASE = "release"
+    ADOPT = "adopt"
+    REPORT_STARTED = "report-started"
+    START_FAILED = "start-failed"
+    PREPARE = "prepare"
+    WAIT_JIT = "wait-jit"
+    START = "start"
+    LOST = "lost"
+    EXITED = "exited"
+    DEADLINE = "deadline"
+    REPORT_RUNNING = "report-running"
+    START_TIMEOUT = "start-timeout"
+    RUNNING = "running"
+    STARTING = "starting"
+
+
+@dataclass(frozen=True)
+class AgentAction:
+    """What to do for one VM: ``steps`` in order; then decide again after ``recheck_seconds``
+    without an event (0: at once; None: only on an event), or, with ``forget``, drop every bit
+    of state about the VM (a later event about it starts afresh)."""
+
+    why: Why
+    steps: tuple[Step, ...] = ()
+    recheck_seconds: float | None = None
+    forget: bool = False
+
+    def has(self, kind: type) -> bool:
+        """Whether a step of ``kind`` is in the action."""
+        return any(isinstance(s, kind) for s in self.steps)
+
+
+# ---------------------------------------------------------------------------------- the ladder
+
+
+def decide(obs: VMObservation) -> AgentAction:
+    """The next action for one VM (see the module docstring for the ladder)."""
+    vm = obs.vm
+    if vm is None:
+        return _gone(obs)
+    if not vm.node_name:
+        return _unbound(obs, vm)
+    if vm.node_name != obs.node:
+        return AgentAction(Why.OTHER_NODE, forget=True)
+    if vm.deleting:
+        return _wind_down(obs, vm, Why.DELETING)
+    if vm.phase in TERMINAL_PHASES:
+        return _wind_down(obs, vm, Why.FINISHED)
+    if AGENT_FINALIZER not in vm.finalizers:
+        return AgentAction(Why.ADOPT, (AddFinalizer(),), recheck_seconds=0)
+    if vm.phase in NOT_STARTED:
+        return _boot(obs, vm)
+    return _started(obs, vm)
+
+
+def _gone(obs: VMObservation) -> AgentAction:
+    """The VM no longer exists (its finalizer was removed by someone else, e.g. the operator
+    after this node was thought lost): stop and clean up whatever still runs here."""
+    rt = obs.runtime
+    steps: list[Step] = []
+    if rt.active:
+        steps.append(Stop(obs.policy.stop_grace_seconds))
+    if rt.status != "missing" or (obs.local.prepared and not obs.local.cleaned):
+        steps.append(Cleanup())
+    return AgentAction(Why.GONE, tuple(steps), forget=True)
+
+
+def _unbound(obs: VMObservation, vm: VMRecord) -> AgentAction:
+    """Not bound to any node: refuse (missing class), wait (preflight, capacity) or claim."""
+    if vm.deleting or vm.phase in TERMINAL_PHASES:
+        return AgentAction(Why.NOT_CLAIMABLE, forget=True)
+    if obs.size is None:
+        return _refuse_class(obs, vm, "scheduled")
+    if not obs.preflight.ok:
+        return AgentAction(Why.PREFLIGHT_FAILED, forget=True)
+    if not fits(obs.capacity, obs.used, obs.size):
+        return AgentAction(Why.NO_CAPACITY, forget=True)
+    status: dict[str, Any] = {"phase": VMPhase.SCHEDULED, "nodeName": obs.node}
+    status.update(_class_found(obs, vm))
+    steps: tuple[Step, ...] = (
+        Claim(obs.size),
+        PatchStatus(status),
+        Emit("Scheduled", f"bound to node {obs.node}"),
+    )
+    return AgentAction(Why.CLAIM, steps, recheck_seconds=0)
+
+
+def _refuse_class(obs: VMObservation, vm: VMRecord, what: str) -> AgentAction:
+    """A VM whose class does not exist has no size: it is neither claimed nor booted. The
+    condition (and one Event) says which class is missing; when it appears, the class's watch
+    brings the VM back."""
+    current = vm.condition(CLASS_MISSING)
+    if current is not None and current.status == "True" and current.reason == "NotFound":
+        return AgentAction(Why.CLASS_MISSING, forget=True)
+    message = f"ImpVMClass {vm.class_name!r} not found; the VM is not {what} until it exists"
+    conditions = _set_condition(vm, CLASS_MISSING, True, "NotFound", message, obs.now)
+    steps: tuple[Step, ...] = (
+        PatchStatus({"conditions": conditions}),
+        Emit("ClassNotFound", message, warning=True),
+    )
+    return AgentAction(Why.CLASS_MISSING, steps, forget=True)
+
+
+def _class_found(obs: VMObservation, vm: VMRecord) -> dict[str, Any]:
+    """Status fields that clear a ``ClassMissing`` condition once the class exists."""
+    current = vm.condition(CLASS_MISSING)
+    if current is None or current.status != "True":
+        return {}
+    message = f"ImpVMClass {vm.class_name!r} found"
+    return {"conditions": _set_condition(vm, CLASS_MISSING, False, "Found", message, obs.now)}
+
+
+def _verified(
+    obs: VMObservation, vm: VMRecord, conditions: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """Status fields setting the ``ImageVerified`` condition from the signature check this
+    agent made (on top of ``conditions`` when this decision already changes others); ``{}``
+    when there is none or the VM already shows it."""
+    v = obs.local.verification
+    if v is None:
+        return {}
+    current = vm.condition(IMAGE_VERIFIED)
+    value = "True" if v.verified else "False"
+    if current is not None and (current.status, current.reason, current.message) == (
+        value,
+        v.reason,
+        v.message,
+    ):
+        return {}
+    return {
+        "conditions": _set_condition(
+            vm, IMAGE_VERIFIED, v.verified, v.reason, v.message, obs.now, conditions
+        )
+    }
+
+
+def _wind_down(obs: VMObservation, vm: VMRecord, why: Why) -> AgentAction:
+    """Deleted or finished: stop, clean up, then (a later decision, once the runtime reports
+    the VM stopped and this agent cleaned it up) release the finalizer."""
+    rt = obs.runtime
+    steps: list[Step] = []
+    if vm.deleting and vm.phase not in TERMINAL_PHASES and vm.phase != VMPhase.TERMINATING:
+        steps.append(PatchStatus({"phase": VMPhase.TERMINATING}))
+    if rt.active:
+        steps.append(Stop(obs.policy.stop_grace_seconds))
+    if rt.active or not obs.local.cleaned:
+        steps.append(Cleanup())
+        return AgentAction(why, tuple(steps), recheck_seconds=0)
+    if AGENT_FINALIZER in vm.finalizers:
+        steps.append(Release())
+        return AgentAction(Why.RELEASE, tuple(steps), forget=True)
+    return AgentAction(why, tuple(steps), forget=True)
+
+
+def _boot(obs: VMObservation, vm: VMRecord) -> AgentAction:
+    """Bound here, not started: report Scheduled, prepare, wait for the JIT config, start."""
+    rt = obs.runtime
+    if rt.status != "missing":  # started by this agent; the report did not land yet
+        started = rt.started_at or obs.now
+        steps_started: tuple[Step, ...] = (
+            PatchStatus({"phase": VMPhase.STARTING, "startedAt": k8s_time(started)}),
+            Emit("Started", f"runtime {obs.policy.runtime_name} started the VM"),
+        )
+        return AgentAction(Why.REPORT_STARTED, steps_started, recheck_seconds=0)
+    if obs.size is None:
+        return _refuse_class(obs, vm, "booted")
+    steps: list[Step] = []
+    report: dict[str, Any] = _class_found(obs, vm)
+    report |= _verified(obs, vm, report.get("conditions"))
+    if vm.phase != VMPhase.SCHEDULED:
+        report |= {"phase": VMPhase.SCHEDULED, "nodeName": obs.node}
+    if report:
+        steps.append(PatchStatus(report))
+    local = obs.local
+    if local.failure is not None:
+        reason, message = local.failure
+        return _fail(obs, Why.START_FAILED, reason, message, stop=False, before=steps)
+    if not local.prepared:
+        return AgentAction(Why.PREPARE, (*steps, Prepare()), recheck_seconds=0)
+    if not vm.vm.spec.runner_config_secret:  # the operator attaches it once minted
+        return AgentAction(Why.WAIT_JIT, tuple(steps))
+    if local.jit_missing_at is not None:
+        waited = (obs.now - local.jit_missing_at).total_seconds()
+        if waited < obs.policy.jit_retry_seconds:
+            left = obs.policy.jit_retry_seconds - waited
+            return AgentAction(Why.WAIT_JIT, tuple(steps), recheck_seconds=left)
+    return AgentAction(Why.START, (*steps, Start()), recheck_seconds=0)
+
+
+def _started(obs: VMObservation, vm: VMRecord) -> AgentAction:
+    """Started: follow the runtime until the runner exits, the deadline passes, the start
+    times out or the runtime loses the VM."""
+    rt = obs.runtime
+    if rt.status == "missing":
+        return _fail(
+            obs, Why.LOST, "Lost", "the runtime no longer knows this VM (agent restarted?)"
+        )
+    if rt.status == "exited":
+        return _finish(obs, rt)
+    started = vm.status.started_at or rt.started_at
+    running_for = (obs.now - started).total_seconds() if started else 0.0
+    expire = resolve_expire_after(vm.vm.spec.expire_after)
+    if expire and started and running_for >= expire:
+        message = f"expireAfter {vm.vm.spec.expire_after} passed"
+        return _fail(obs, Why.DEADLINE, "DeadlineExceeded", message, stop=True)
+    tick = obs.policy.tick_seconds
+    if rt.status == "running":
+        if vm.phase != VMPhase.RUNNING:
+            return AgentAction(Why.REPORT_RUNNING, (PatchStatus({"phase": VMPhase.RUNNING}),), tick)
+        return AgentAction(Why.RUNNING, recheck_seconds=tick)
+    if started and running_for >= obs.policy.start_timeout_seconds:
+        return _fail(obs, Why.START_TIMEOUT, "StartTimeout", rt.log_tail, stop=True)
+    return AgentAction(Why.STARTING, recheck_seconds=tick)
+
+
+def _finish(obs: VMObservation, rt: RuntimeState) -> AgentAction:
+    """The runner exited: report it (Succeeded on 0, else Failed with the console tail) and
+    clean up."""
+    code = rt.exit_code if rt.exit_code is not None else -1
+    status: dict[str, Any] = {
+        "phase": VMPhase.SUCCEEDED if code == 0 else VMPhase.FAILED,
+        "exitCode": code,
+        "exitReason": "Completed" if code == 0 else "Error",
+        "finishedAt": k8s_time(rt.finished_at or obs.now),
+    }
+    if code == 0:
+        event = Emit("Succeeded", "runner exited 0")
+    else:
+        status["message"] = rt.log_tail[-MESSAGE_CHARS:]
+        event = Emit("Failed", f"runner exited {code}", warning=True)
+    return AgentAction(Why.EXITED, (PatchStatus(status), event, Cleanup()), recheck_seconds=0)
+
+
+def _fail(
+    obs: VMObservation,
+    why: Why,
+    reason: str,
+    message: str,
+    *,
+    stop: bool = False,
+    before: Sequence[Step] = (),
+) -> AgentAction:
+    """Fail the VM with ``reason`` (its ``exitReason``) and ``message``: stop it first when it
+    may still run, report, tell, clean up."""
+    steps: list[Step] = list(before)
+    if stop:
+        steps.append(Stop(obs.policy.stop_grace_seconds))
+    status = {
+        "phase": VMPhase.FAILED,
+        "exitReason": reason,
+        "finishedAt": k8s_time(obs.now),
+        "message": message[-MESSAGE_CHARS:],
+    }
+    steps += [PatchStatus(status), Emit(reason, message[-EVENT_CHARS:], warning=True), Cleanup()]
+    return AgentAction(why, tuple(steps), recheck_seconds=0)
+
+
+def _set_condition(
+    vm: VMRecord,
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: datetime,
+    conditions: Sequence[Mapping[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """The VM's conditions (wire form, sorted by type; ``conditions``: instead of the VM's, when
+    this decision already changed them) with ``type_`` set; its lastTransitionTime moves only
+    when its status flips (Kubernetes API conventions)."""
+    value = "True" if status else "False"
+    if conditions is None:
+        conditions = [
+            c.model_dump(by_alias=True, exclude_none=True, mode="json")
+            for c in vm.status.conditions or ()
+        ]
+    out = {c["type"]: dict(c) for c in conditions}
+    old = out.get(type_)
+    since = old["lastTransitionTime"] if old and old.get("status") == value else k8s_time(now)
+    out[type_] = {
+        "type": type_,
+        "status": value,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+    }
+    return [out[k] for k in sorted(out)]

@@ -1,0 +1,33 @@
+"""Prometheus metrics of the pool controller (prefix ``impvm_``)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+from impvm.api.models import PoolKey
+from impvm.scaling.pool import Counts
+
+POLL_CALLS = Counter("impvm_poll_api_calls_total", "GitHub requests made by job polling.")
+POOL_VMS = Gauge("impvm_pool_vms", "VMs of a pool by state.", ["namespace", "pool", "state"])
+POOL_DESIRED = Gauge("impvm_pool_desired_vms", "VMs a pool wants.", ["namespace", "pool"])
+POOL_PENDING = Gauge(
+    "impvm_pool_pending_jobs", "Queued jobs routed to a pool, no runner yet.", ["namespace", "pool"]
+)
+VMS_CREATED = Counter("impvm_vms_created_total", "ImpVMs created.", ["namespace", "pool"])
+
+
+def record_pool(key: PoolKey, counts: Counts, created: int) -> None:
+    """Export one pass's counts (``counts`` include the VMs it created)."""
+    ns, name = key
+    if created:
+        VMS_CREATED.labels(ns, name).inc(created)
+    for state, n in (
+        ("starting", counts.starting),
+        ("idle", counts.idle),
+        ("busy", counts.busy),
+        ("terminating", counts.terminating),
+        ("outdated", counts.outdated),
+    ):
+        POOL_VMS.labels(ns, name, state).set(n)
+    POOL_DESIRED.labels(ns, name).set(counts.desired)
+    POOL_PENDING.labels(ns, name).set(counts.pending)

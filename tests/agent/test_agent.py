@@ -1,0 +1,253 @@
+"""The node agent's shell against the real API server with the process runtime (real bubblewrap
+sandboxes): a VM whose ImpVMClass is missing is refused by name, the agent reads no VM or class
+per tick (the API server's own request counters say so), and it forgets the VMs it is done with."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import re
+import ssl
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from lightkube import AsyncClient, Client
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Event, Secret
+
+from impvm.agent.agent import Agent, AgentConfig
+from impvm.agent.capacity import Resources
+from impvm.agent.images import ImageStore
+from impvm.agent.process import ProcessRuntime
+from impvm.api.models import API_VERSION, JIT_SECRET_KEY
+from impvm.api.resources import ImpVMClassResource, ImpVMResource
+from impvm.devstack.controlplane import ControlPlane
+from tests.runtime_fixtures import Images
+
+pytestmark = [pytest.mark.controlplane]
+
+
+@dataclass
+class Env:
+    """One test's world: clients, a fresh namespace and ImpVMClass name, the test images."""
+
+    kube: Client
+    akube: AsyncClient
+    namespace: str
+    tmp_path: Path
+    images: Images
+    cls: str = field(default_factory=lambda: f"agent-test-{uuid.uuid4().hex[:6]}")
+
+    def create_class(self) -> None:
+        self.kube.create(
+            ImpVMClassResource.from_dict(
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": "ImpVMClass",
+                    "metadata": {"name": self.cls},
+                    "spec": {"vcpu": 1, "memoryMiB": 256, "diskGiB": 1},
+                }
+            )
+        )
+
+    def create_vm(self, name: str, layer: str, node: str | None = None) -> None:
+        """A VM of the class with a JIT Secret (the runner layers here never use it)."""
+        self.kube.create(
+            Secret(
+                metadata=ObjectMeta(name=f"{name}-jit", namespace=self.namespace),
+                data={JIT_SECRET_KEY: base64.b64encode(b"jit-not-a-real-one").decode()},
+            )
+        )
+        spec: dict[str, Any] = {
+            "classRef": {"name": self.cls},
+            "image": self.images.base,
+            "runnerLayer": layer,
+            "runnerConfigSecret": f"{name}-jit",
+        }
+        if node:
+            spec["nodeName"] = node
+        self.kube.create(
+            ImpVMResource.from_dict(
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": "ImpVM",
+                    "metadata": {"name": name, "namespace": self.namespace},
+                    "spec": spec,
+                }
+            )
+        )
+
+    async def vms(self) -> dict[str, dict[str, Any]]:
+        """Every VM of the namespace by name (one LIST: a test below counts GETs)."""
+        listed = self.akube.list(ImpVMResource, namespace=self.namespace)
+        return {o.metadata.name: o.to_dict() async for o in listed}
+
+    @contextlib.asynccontextmanager
+    async def agent(self, tick: float = 0.2) -> AsyncIterator[Agent]:
+        """An agent with the process runtime, running for the block."""
+        store = ImageStore(self.tmp_path / "cache", 1 << 30, {self.images.registry})
+        agent = Agent(
+            self.akube,
+            ProcessRuntime(store),
+            AgentConfig(
+                node_name=f"node-{uuid.uuid4().hex[:6]}",
+                capacity=Resources(4, 4096),
+                workdir=self.tmp_path / "agent",
+                lease_namespace=self.namespace,
+                tick_seconds=tick,
+                stop_grace_seconds=2.0,
+            ),
+        )
+        task = asyncio.create_task(agent.run())
+        try:
+            yield agent
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.fixture
+def env(
+    kube: Client, akube: AsyncClient, namespace: str, tmp_path: Path, images: Images
+) -> Iterator[Env]:
+    e = Env(kube, akube, namespace, tmp_path, images)
+    yield e
+    with contextlib.suppress(Exception):
+        kube.delete(ImpVMClassResource, e.cls)
+
+
+async def until(what: str, check: Callable[[], Awaitable[bool]], seconds: float = 60) -> None:
+    for _ in range(int(seconds * 5)):
+        if await check():
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"never: {what}")
+
+
+def condition(vm: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    return next(
+        (c for c in (vm.get("status") or {}).get("conditions") or [] if c["type"] == type_), None
+    )
+
+
+async def test_vm_of_a_missing_class_is_refused_by_name_until_the_class_exists(env: Env) -> None:
+    """No fallback size: neither a free VM nor one created bound to the node is claimed or
+    booted while its class is missing; both say which class, with a Warning. Once the class
+    exists both run."""
+    async with env.agent() as agent:
+        node = agent.config.node_name
+        env.create_vm("free", env.images.sleep)
+        env.create_vm("bound", env.images.sleep, node)
+
+        async def both_refused() -> bool:
+            got = await env.vms()
+            return all(condition(v, "ClassMissing") for v in got.values()) and len(got) == 2
+
+        await until("both VMs refused", both_refused)
+        for name, vm in (await env.vms()).items():
+            cond = condition(vm, "ClassMissing")
+            assert cond is not None and cond["status"] == "True", (name, cond)
+            assert f"'{env.cls}'" in cond["message"]
+            assert (vm.get("status") or {}).get("phase") is None, name  # not booted
+        assert not (await env.vms())["free"]["spec"].get("nodeName")  # not claimed
+        assert not (env.tmp_path / "agent" / "vms").exists() or not any(
+            (env.tmp_path / "agent" / "vms").iterdir()
+        )
+        events = [e async for e in env.akube.list(Event, namespace=env.namespace)]
+        refused = {e.involvedObject.name for e in events if e.reason == "ClassNotFound"}
+        assert refused == {"free", "bound"}
+        assert all(env.cls in (e.message or "") for e in events if e.reason == "ClassNotFound")
+        assert all(e.type == "Warning" for e in events if e.reason == "ClassNotFound")
+
+        env.create_class()
+
+        async def both_running() -> bool:
+            got = await env.vms()
+            return all((v.get("status") or {}).get("phase") == "Running" for v in got.values())
+
+        await until("both VMs running once the class exists", both_running)
+        for vm in (await env.vms()).values():
+            assert vm["spec"]["nodeName"] == node
+            cond = condition(vm, "ClassMissing")
+            assert cond is not None and (cond["status"], cond["reason"]) == ("False", "Found")
+
+
+def _requests(control_plane: ControlPlane) -> dict[tuple[str, str], float]:
+    """The API server's ``apiserver_request_total`` by (verb, resource) for imp.dev kinds."""
+    pki = control_plane.workdir / "pki"
+    tls = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+    tls.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+    text = httpx.get(control_plane.url + "/metrics", verify=tls, timeout=10).text
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        if not line.startswith("apiserver_request_total{") or 'group="imp.dev"' not in line:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+        key = (labels["verb"], labels["resource"] + "/" + labels.get("subresource", ""))
+        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def test_agent_reads_no_vm_and_no_class_per_tick(
+    env: Env, control_plane: ControlPlane
+) -> None:
+    """Two running VMs, a tick of 0.2 s: over 3 s the agent sends the API server no GET and
+    no LIST of ImpVMs or ImpVMClasses (its watches tell it everything; it used to GET each VM
+    and its class every tick)."""
+    env.create_class()
+    async with env.agent(tick=0.2):
+        for name in ("a", "b"):
+            env.create_vm(name, env.images.sleep)
+
+        async def running() -> bool:
+            got = await env.vms()
+            return len(got) == 2 and all(
+                (v.get("status") or {}).get("phase") == "Running" for v in got.values()
+            )
+
+        await until("both VMs running", running)
+        before = _requests(control_plane)
+        assert before.get(("LIST", "impvms/"), 0) > 0  # the counters are read (our own LISTs)
+        await asyncio.sleep(3)
+        after = _requests(control_plane)
+    reads = {
+        k: after.get(k, 0) - before.get(k, 0)
+        for k in after
+        if k[0] in ("GET", "LIST") and k[1].split("/")[0] in ("impvms", "impvmclasses")
+    }
+    assert all(v == 0 for v in reads.values()), reads
+
+
+async def test_agent_forgets_the_vms_it_is_done_with(env: Env) -> None:
+    """Five VMs run (the probe runner exits 3), are reported Failed and deleted: afterwards the
+    agent holds no worker and no per-VM state for any of them, and its runtime none either
+    (these maps used to grow with every VM the node ever ran)."""
+    env.create_class()
+    async with env.agent() as agent:
+        names = [f"vm-{i}" for i in range(5)]
+        for name in names:
+            env.create_vm(name, env.images.probe)
+
+        async def all_failed() -> bool:
+            got = await env.vms()
+            return len(got) == 5 and all(
+                (v.get("status") or {}).get("exitCode") == 3 and not v["metadata"].get("finalizers")
+                for v in got.values()
+            )
+
+        await until("all VMs ran, failed and were released", all_failed, 120)
+        for name in names:
+            env.kube.delete(ImpVMResource, name, namespace=env.namespace)
+
+        async def forgotten() -> bool:
+            return not await env.vms() and not agent.tracked()
+
+        await until("the agent forgot every VM", forgotten)
+        assert isinstance(agent.runtime, ProcessRuntime) and agent.runtime.known() == set()
+        assert len(agent.mine.store) == 0 and len(agent.unbound.store) == 0

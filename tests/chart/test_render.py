@@ -1,0 +1,222 @@
+"""charts/impvm without a cluster: helm lint, the values schema, what the templates render, and
+that the chart carries deploy/'s CRDs and RBAC rules verbatim."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from impvm.api.crd import render_yaml
+from tests.conftest import REPO
+
+from .conftest import CHART, FULL_VALUES, Helm, by_kind, one
+
+DIGEST_OP = "sha256:" + "a" * 64
+DIGEST_AG = "sha256:" + "b" * 64
+
+
+def test_lint_defaults_and_full_values(helm: Helm) -> None:
+    for extra in ([], ["--values", str(FULL_VALUES)]):
+        out = helm.run("lint", "--strict", str(CHART), "--namespace", "impvm-system", *extra)
+        assert "0 chart(s) failed" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "operator.replicas=2"], "additional properties 'replicas' not allowed"),
+        (["--set", "agent.runtmie=qemu"], "additional properties 'runtmie' not allowed"),
+        (["--set", "operator.image.digest=sha256:abc"], "operator/image/digest"),
+        (["--set", "agent.image.digest=latest"], "agent/image/digest"),
+        (["--set", "agent.capabilities={SYS_ADMIN}"], "agent/capabilities/0"),
+        (["--set", "agent.qemu.accelerator=hvf"], "agent/qemu/accelerator"),
+        (["--set", "operator.service.type=External"], "operator/service/type"),
+        (["--set", "agent.hostPath=relative/dir"], "agent/hostPath"),
+        (["--set", "agent.network.subnet=10.0.0.0/8"], "agent/network/subnet"),
+    ],
+)
+def test_schema_rejects_bad_values_naming_the_field(
+    helm: Helm, args: list[str], message: str
+) -> None:
+    proc = helm.run("template", "impvm", str(CHART), "-n", "impvm-system", *args, check=False)
+    assert proc.returncode != 0
+    assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    assert message in proc.stderr, proc.stderr
+
+
+def test_other_namespace_is_refused_with_the_reason(helm: Helm) -> None:
+    proc = helm.run("template", "impvm", str(CHART), "-n", "ci", check=False)
+    assert proc.returncode != 0
+    assert "install impvm into the namespace impvm-system" in proc.stderr, proc.stderr
+
+
+def _images(docs: list[dict[str, Any]]) -> dict[str, str]:
+    out = {}
+    for kind in ("Deployment", "DaemonSet"):
+        for d in by_kind(docs, kind):
+            (c,) = d["spec"]["template"]["spec"]["containers"]
+            out[c["name"]] = c["image"]
+    return out
+
+
+def test_images_rendered_by_digest_when_values_give_one(helm: Helm) -> None:
+    pinned = helm.template(
+        "--set",
+        f"operator.image.digest={DIGEST_OP}",
+        "--set",
+        f"agent.image.digest={DIGEST_AG}",
+        "--set",
+        "agent.image.tag=ignored-when-pinned",
+    )
+    assert _images(pinned) == {
+        "operator": f"registry.example.com/impvm/impvm@{DIGEST_OP}",
+        "agent": f"registry.example.com/impvm/impvm-agent@{DIGEST_AG}",
+    }
+    # without a digest: the tag, which defaults to the chart's appVersion; NOTES warn about it
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert _images(helm.template("--set", "agent.image.tag=v9")) == {
+        "operator": f"registry.example.com/impvm/impvm:{app_version}",
+        "agent": "registry.example.com/impvm/impvm-agent:v9",
+    }
+
+
+def test_operator_deployment(helm: Helm) -> None:
+    docs = helm.template()
+    dep = one(docs, "Deployment", "impvm-operator")
+    spec = dep["spec"]
+    # one operator, never two at once (no leader election yet)
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["serviceAccountName"] == "impvm-operator"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    (c,) = pod["containers"]
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert c["args"][:3] == ["operator", "--http-host=0.0.0.0", "--http-port=8080"]
+    svc = one(docs, "Service", "impvm-operator")
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert not by_kind(docs, "Ingress") and not by_kind(docs, "ServiceMonitor")
+
+
+def test_agent_daemonset(helm: Helm) -> None:
+    ds = one(helm.template(), "DaemonSet", "impvm-agent")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"imp.dev/agent": "true"}
+    (c,) = pod["containers"]
+    sc = c["securityContext"]
+    assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert "SYS_ADMIN" not in sc["capabilities"]["add"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["dev-kvm"] == "/dev/kvm" and mounts["dev-net-tun"] == "/dev/net/tun"
+    assert vols["dev-kvm"]["hostPath"] == {"path": "/dev/kvm", "type": "CharDevice"}
+    assert vols["dev-net-tun"]["hostPath"] == {"path": "/dev/net/tun", "type": "CharDevice"}
+    assert vols["state"]["hostPath"] == {"path": "/var/lib/impvm", "type": "DirectoryOrCreate"}
+    assert mounts["state"] == "/var/lib/impvm"
+    assert "--workdir=/var/lib/impvm" in c["args"] and "--runtime=qemu" in c["args"]
+    # each VM its own network; forwarding in the pod's namespace as a sysctl
+    assert "--guest-network=isolated" in c["args"]
+    assert "--guest-subnet=10.213.0.0/16" in c["args"]
+    assert pod["securityContext"]["sysctls"] == [{"name": "net.ipv4.ip_forward", "value": "1"}]
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in c[
+        "env"
+    ]
+    assert "limits" not in c["resources"]  # VMs share the container's cgroup
+
+    # a node without KVM: no /dev/kvm mount (QEMU uses TCG); a KVM device plugin's resource
+    ds = one(
+        helm.template("--set", "agent.kvm=false", "--set", "agent.kvmResource=squat.ai/kvm"),
+        "DaemonSet",
+    )
+    pod = ds["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert "dev-kvm" not in {v["name"] for v in pod["volumes"]}
+    assert "/dev/kvm" not in {m["mountPath"] for m in c["volumeMounts"]}
+    assert c["resources"]["limits"] == {"squat.ai/kvm": 1}
+
+
+def test_full_values_render_every_option(helm: Helm) -> None:
+    docs = helm.template("--values", str(FULL_VALUES))
+    dep = one(docs, "Deployment", "impvm-full-operator")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert "--namespace=ci" in c["args"] and "--namespace=default" in c["args"]
+    assert "--github-api-url=https://github.example.com/api/v3" in c["args"]
+    assert c["ports"][0]["containerPort"] == 9443
+    ing = one(docs, "Ingress")
+    (path,) = ing["spec"]["rules"][0]["http"]["paths"]
+    assert (path["path"], path["pathType"]) == ("/webhooks/github", "Exact")
+    ds = one(docs, "DaemonSet", "impvm-full-agent")
+    (a,) = ds["spec"]["template"]["spec"]["containers"]
+    assert a["resources"]["limits"] == {"devices.kubevirt.io/kvm": 1}
+    assert "--insecure-registry=registry.internal:5000" in a["args"]
+    assert "--vcpu=32" in a["args"] and "--memory-mib=65536" in a["args"]
+    assert "--guest-subnet=10.99.0.0/20" in a["args"]
+    assert "--guest-dns=192.0.2.53" in a["args"] and "--guest-dns=192.0.2.54" in a["args"]
+    assert "sysctls" not in ds["spec"]["template"]["spec"]["securityContext"]
+    sm = helm.template(
+        "--values", str(FULL_VALUES), "--set", "operator.serviceMonitor.enabled=true"
+    )
+    mon = one(sm, "ServiceMonitor")
+    assert mon["spec"]["endpoints"] == [
+        {"port": "http", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
+    ]
+    assert mon["metadata"]["labels"]["release"] == "prometheus"
+
+
+def _rules(text: str, kind: str) -> list[Any]:
+    (doc,) = [d for d in yaml.safe_load_all(text) if d and d["kind"] == kind]
+    return list(doc["rules"])
+
+
+def test_chart_carries_deploy_manifests_verbatim() -> None:
+    """The chart's CRDs and RBAC sources, and the package's RBAC copy, are byte copies of
+    deploy/ (scripts/sync-chart.sh), and deploy/crds is what the models render."""
+    hint = "out of sync: run scripts/sync-chart.sh"
+    crds = (REPO / "deploy" / "crds" / "imp.dev_crds.yaml").read_text()
+    assert crds == render_yaml()
+    assert (CHART / "crds" / "imp.dev_crds.yaml").read_text() == crds, hint
+    for component in ("operator", "agent"):
+        source = (REPO / "deploy" / "rbac" / f"{component}.yaml").read_text()
+        assert (CHART / "files" / "rbac" / f"{component}.yaml").read_text() == source, hint
+        package = REPO / "src" / "impvm" / "up" / "assets" / "rbac" / f"{component}.yaml"
+        assert package.read_text() == source, hint
+
+
+def test_rendered_rbac_rules_are_deploy_rbac_rules(helm: Helm) -> None:
+    docs = helm.template()
+    for component in ("operator", "agent"):
+        source = (REPO / "deploy" / "rbac" / f"{component}.yaml").read_text()
+        role = one(docs, "ClusterRole", f"impvm-{component}")
+        assert role["rules"] == _rules(source, "ClusterRole"), component
+        binding = one(docs, "ClusterRoleBinding", f"impvm-{component}")
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": f"impvm-{component}", "namespace": "impvm-system"}
+        ]
+    leases = one(docs, "Role", "impvm-agent-leases")
+    assert leases["metadata"]["namespace"] == "impvm-system"
+    assert leases["rules"] == _rules((REPO / "deploy" / "rbac" / "agent.yaml").read_text(), "Role")
+    # a chart with a drifted copy would render other rules: the copy is what is rendered
+    assert "impvm.rbacRules" in (CHART / "templates" / "operator-rbac.yaml").read_text()
+
+
+def test_packaged_chart_renders_the_same(helm: Helm, tmp_path: Path) -> None:
+    """`helm package` keeps what the templates read (files/rbac, crds): the archive renders
+    exactly what the directory does."""
+    helm.run("package", str(CHART), "--destination", str(tmp_path))
+    (archive,) = tmp_path.glob("impvm-*.tgz")
+    from_archive = helm.run(
+        "template", "impvm", str(archive), "--namespace", "impvm-system", "--include-crds"
+    ).stdout
+    assert from_archive == helm.template_text("--include-crds")
