@@ -32,7 +32,7 @@ from tests.conftest import REPO
 DIGEST_A = "registry.example/imp/runner-base@sha256:" + "a" * 64
 DIGEST_B = "registry.example/imp/runner-layer@sha256:" + "b" * 64
 
-SEED_EXAMPLE = REPO / "tests" / "data" / "seed-minimal-example.yaml"
+SEED_EXAMPLE = REPO / "tests" / "data" / "minimal-example.yaml"
 
 
 def kubectl(

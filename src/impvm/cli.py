@@ -221,7 +221,7 @@ def dev_up(
     timeout: Annotated[float, typer.Option(help="Seconds --until-done waits.")] = 900.0,
 ) -> None:
     """impvm up with a generated configuration: the GitHub stand-in, a registry with test
-    images and the seed's minimal example as the pool; show VMs and runners live."""
+    images and the minimal example as the pool; show VMs and runners live."""
     from impvm.devstack.up import run
 
     raise typer.Exit(

@@ -104,7 +104,7 @@ class PoolEnv:
         )
 
     async def create_template(self, **spec: Any) -> None:
-        """The template of the seed's example, with ``spec`` fields added or overridden."""
+        """The template of the minimal example, with ``spec`` fields added or overridden."""
         await self.kube.create(
             ImpVMTemplateResource.from_dict(
                 {

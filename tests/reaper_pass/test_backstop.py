@@ -1,4 +1,4 @@
-"""The backstop that needs no GitHub call (issue 7 item 3, seed 004's activeDeadlineSeconds):
+"""The backstop that needs no GitHub call (like a Job's activeDeadlineSeconds):
 a VM past its ``expireAfter`` is stopped by the real agent (process runtime, bubblewrap) with
 phase Failed / exitReason DeadlineExceeded, whatever its runner is doing."""
 

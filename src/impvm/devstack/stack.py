@@ -6,7 +6,7 @@ What development adds, all real: the GitHub stand-in (in this process) seeded wi
 installation on ``my-org``, a repository and the runner group ``omni-runner``; a loopback OCI
 registry with a busybox base image and a runner layer whose ``run.sh`` is the stand-in runner,
 both pinned by digest. The generated ``impvm.yaml`` (in the work directory) names the stand-in as
-GitHub, the App's key file, the registry as insecure, and the seed's minimal example with the two
+GitHub, the App's key file, the registry as insecure, and the minimal example with the two
 image placeholders replaced by the pushed digests as its class, template and pool; the service
 then runs the control plane, the operator and one agent from it exactly as ``impvm up`` does.
 
@@ -239,8 +239,8 @@ def dev_config(
 ) -> dict[str, Any]:
     """The ``impvm.yaml`` of the development stack (see :mod:`impvm.up.config`): the stand-in
     as GitHub, the loopback registry, the process runtime's host binds, throwaway etcd data, and
-    (``images`` given) the seed's minimal example as its class, template and pool, the pool
-    using ``scaling_mode`` (the seed's polling by default). ``devnet``: VMs on isolated networks
+    (``images`` given) the minimal example as its class, template and pool, the pool using
+    ``scaling_mode`` (the example's polling by default). ``devnet``: VMs on isolated networks
     that reach the stand-in there; without it VMs share the host's network. ``cosign``: the
     agent's cosign binary (None: on PATH)."""
     cfg: dict[str, Any] = {
@@ -312,7 +312,7 @@ class StackConfig:
     agent_memory_mib: int = 32768
     polling_interval_seconds: int | None = None
     apply_example: bool = True
-    #: scaling.mode of the example pool: the seed's polling, or webhook/hybrid (the stand-in then
+    #: scaling.mode of the example pool: the example's polling, or webhook/hybrid (the stand-in then
     #: delivers signed workflow_job webhooks to the operator, losing ``webhook_drop_rate``)
     scaling_mode: str = "polling"
     webhook_drop_rate: float = 0.0
