@@ -963,3 +963,26 @@ def test_a_refused_signature_fails_the_vm_with_its_reason_and_condition() -> Non
     (event,) = [s for s in action.steps if isinstance(s, Emit)]
     assert event.reason == "ImageUnsigned" and event.warning
     assert isinstance(action.steps[-1], Cleanup)
+
+
+def test_after_an_agent_restart_a_vm_the_runtime_reattached_carries_on() -> None:
+    """Nothing of LocalFacts survives a restart: what the runtime reports decides. A VM it
+    re-attached running is watched (no second Start, so no second JIT config); one that
+    exited while no agent ran is reported with its exit code; only an unknown one is Lost."""
+    fresh = LocalFacts()
+    started = NOW - timedelta(minutes=5)
+    running = decide(observe(record(phase="Running", started_at=started), "running", local=fresh))
+    assert (running.why, running.steps) == (Why.RUNNING, ())
+    late = decide(observe(record(phase="Starting", started_at=started), "running", local=fresh))
+    assert late.why is Why.REPORT_RUNNING and not any(isinstance(s, Start) for s in late.steps)
+    # started, the report of it not yet written when the old agent died
+    unreported = decide(observe(record(phase="Scheduled"), "running", local=fresh))
+    assert unreported.why is Why.REPORT_STARTED
+    assert not any(isinstance(s, Start | Prepare) for s in unreported.steps)
+    for runtime, phase, code in (("exited-0", "Succeeded", 0), ("exited-3", "Failed", 3)):
+        ended = decide(observe(record(phase="Running", started_at=started), runtime, local=fresh))
+        status = _status_of(ended)
+        assert (ended.why, status["phase"], status["exitCode"]) == (Why.EXITED, phase, code)
+        assert isinstance(ended.steps[-1], Cleanup)
+    lost = decide(observe(record(phase="Running", started_at=started), "missing", local=fresh))
+    assert lost.why is Why.LOST and _status_of(lost)["exitReason"] == "Lost"

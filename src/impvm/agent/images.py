@@ -301,6 +301,13 @@ class ImageStore:
         else:
             self._retained.pop(key, None)
 
+    def entry(self, key: str) -> PreparedImage | None:
+        """The complete cache entry ``key`` (blocking), None when it is missing or evicted."""
+        try:
+            return self._load(key)
+        except (OSError, ValueError, KeyError):
+            return None
+
     def entries(self) -> list[PreparedImage]:
         """All complete cache entries, least recently used first."""
         found: list[tuple[float, PreparedImage]] = []

@@ -22,6 +22,14 @@ The ladder, first match wins (each rung names its :class:`Why`):
    fail on the ``expireAfter`` deadline (DeadlineExceeded), on a start that takes longer than
    the start timeout (StartTimeout), or when the runtime no longer knows the VM (Lost).
 
+After an agent restart nothing of :class:`LocalFacts` is left, and none is needed: a runtime whose
+VMs outlive the agent process (``qemu``) re-attaches a VM it finds running when first asked about
+it, so the runtime reports ``starting``/``running`` and rung 7 carries on watching it (no second
+:class:`Start`, so no second JIT config; a VM still in a not-started phase is reported started by
+rung 6), or ``exited`` with the exit code the VM reported while no agent ran, which rung 7 reports
+as for any exit. Only a VM the runtime cannot re-attach (``missing``: the ``process`` runtime's
+sandboxes die with the agent) is Lost.
+
 The VM's own network (:mod:`impvm.agent.network`) sits at the two ends of the runtime's run: the
 runtime attaches it inside :class:`Start` just before the launch and detaches it inside
 :class:`Cleanup` just after the stop (:class:`~impvm.agent.runtime_base.RuntimeBase`), so a failed
@@ -31,9 +39,7 @@ Where later capabilities slot in, without reshaping: a failing host preflight al
 claims (:class:`Preflight`); signature verification is part of :class:`Prepare`
 (a refusal arrives as :attr:`LocalFacts.failure`, every outcome as
 :attr:`LocalFacts.verification`, reported in the ``ImageVerified`` condition); keeping the
-console of a failed VM is an option of :class:`Cleanup` chosen in :func:`_fail`/:func:`_finish`;
-re-attaching a VM that survived an agent restart is a runtime status other than ``missing``
-handled in rung 7.
+console of a failed VM is an option of :class:`Cleanup` chosen in :func:`_fail`/:func:`_finish`.
 """
 
 from __future__ import annotations
@@ -473,7 +479,7 @@ def _started(obs: VMObservation, vm: VMRecord) -> AgentAction:
     rt = obs.runtime
     if rt.status == "missing":
         return _fail(
-            obs, Why.LOST, "Lost", "the runtime no longer knows this VM (agent restarted?)"
+            obs, Why.LOST, "Lost", "the runtime no longer knows this VM (lost in an agent restart?)"
         )
     if rt.status == "exited":
         return _finish(obs, rt)

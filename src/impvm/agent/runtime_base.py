@@ -10,9 +10,12 @@ the runner has started (:meth:`RuntimeBase._runner_started`), how it is asked to
 (:meth:`RuntimeBase._remove_leftovers`) and which interface its VMs get
 (:attr:`RuntimeBase.network_kind`).
 
-State lives in memory: the agent is each VM's parent (VMs die with it), so after an agent restart
-:meth:`RuntimeBase.inspect` reports ``missing`` and :meth:`RuntimeBase.cleanup` removes what is
-left on disk.
+State lives in memory, and on disk where a runtime's VMs outlive the agent: such a runtime
+records each launched VM in its workdir and supplies :meth:`RuntimeBase._adopt`, which a new
+agent process's :meth:`RuntimeBase.inspect` calls for a VM it does not know; the VM is then
+watched, stopped and cleaned up like one it launched itself (re-attached). A runtime whose VMs
+die with the agent (the default) adopts nothing: after an agent restart ``inspect`` reports
+``missing`` and :meth:`RuntimeBase.cleanup` removes what is left on disk.
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from impvm.agent.images import ImageStore, PreparedImage, _remove_tree
 from impvm.agent.network.node import GuestNetwork, NodeNetwork
 from impvm.agent.network.ruleset import Kind
 from impvm.agent.runtime import RuntimeState, Secret, VMRequest, VMRuntimeError
+from impvm.agent.survivor import SecretPrint
 
 #: The VM's console (stdout/stderr or serial port) in its workdir, mode 0600.
 CONSOLE_LOG = "console.log"
@@ -52,15 +56,32 @@ def remove_workdir(workdir: Path) -> None:
         shutil.rmtree(workdir)
 
 
+class VMProcess(Protocol):
+    """What the runtimes use of a VM's process: an :class:`asyncio.subprocess.Process` it
+    launched, or an :class:`~impvm.agent.survivor.AdoptedProcess` an earlier agent launched."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass
 class LaunchedVM:
-    """One VM a runtime launched: its process (bwrap or QEMU), image, JIT config (kept only to
-    scrub it from the console tail), and what is known of its end (``exit_code`` -1: killed)."""
+    """One VM a runtime launched (or re-attached): its process (bwrap or QEMU), image, JIT
+    config (kept only to scrub it from the console tail; empty for a re-attached VM, whose
+    config was consumed at boot, which is scrubbed by ``secret_print`` instead), and what is
+    known of its end (``exit_code`` -1: killed)."""
 
-    proc: asyncio.subprocess.Process
+    proc: VMProcess
     prepared: PreparedImage
     secret: str
     workdir: Path
+    secret_print: SecretPrint | None = None
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     killed: bool = False
     finished_at: datetime | None = None
@@ -127,6 +148,12 @@ class RuntimeBase(Generic[VM]):
         with contextlib.suppress(ProcessLookupError):
             vm.proc.kill()
 
+    async def _adopt(self, req: VMRequest) -> VM | None:
+        """The VM ``req`` an earlier agent process launched and this one does not know, when it
+        outlived that agent (running, or ended leaving its report); None: nothing to re-attach
+        (the default: the runtime's VMs die with the agent)."""
+        return None
+
     def _remove_leftovers(self, workdir: Path) -> None:
         """Remove what an earlier agent run may have left for this VM besides its workdir
         (blocking; run in a thread)."""
@@ -191,15 +218,24 @@ class RuntimeBase(Generic[VM]):
             return ""
         text = data.decode(errors="replace").replace("\r", "")
         out = "\n".join(text.splitlines()[-self.tail_lines :])
-        return out.replace(vm.secret, "***") if vm.secret else out
+        if vm.secret:
+            return out.replace(vm.secret, "***")
+        return vm.secret_print.scrub(out) if vm.secret_print else out
 
     async def inspect(self, req: VMRequest) -> RuntimeState:
         """``starting`` (launched, the runner has not started), ``running``, ``exited``
         (``exit_code``: the runner's exit status; -1 when killed) or ``missing`` (unknown to this
-        runtime instance). ``log_tail``: the console's last lines, JIT config scrubbed."""
+        runtime instance and not re-attachable, see :meth:`_adopt`). ``log_tail``: the
+        console's last lines, JIT config scrubbed."""
         vm = self._vms.get(req.vm_id)
         if vm is None:
-            return RuntimeState(status="missing")
+            vm = await self._adopt(req)
+            if vm is None:
+                return RuntimeState(status="missing")
+            self._vms[req.vm_id] = vm
+            self.store.retain(vm.prepared.key)
+            if vm.exit_code is None:
+                vm.tasks.append(asyncio.create_task(self._reap(vm)))
         exited = vm.exit_code is not None  # before reading: an exited VM's log is complete
         tail = await asyncio.to_thread(self._tail, vm)
         if exited:

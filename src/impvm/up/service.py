@@ -41,6 +41,7 @@ from lightkube.core.exceptions import ApiError
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace, Secret
 
+from impvm.agent.qemu import kill_all_recorded
 from impvm.api.models import AGENT_LEASE_NAMESPACE
 from impvm.api.resources import (
     ImpVMClassResource,
@@ -351,9 +352,13 @@ class Service:
                 p.wait()
 
     def _kill_processes(self) -> None:
+        agents = [n for n in self.procs if n.startswith("agent-")]
         for name in list(self.procs):
             with contextlib.suppress(Exception):
                 self.kill(name)
+        for name in agents:  # VMs outlive their agent: not this process's exit
+            with contextlib.suppress(Exception):
+                kill_all_recorded(self.data_dir / name)
 
     def dead(self) -> list[tuple[str, int]]:
         """(name, exit code) of every process that exited, control plane included."""
@@ -400,11 +405,17 @@ class Service:
             done.append(f"{name} restarted")
         return done
 
-    async def stop(self) -> None:
-        """Stop the operator and agent (SIGTERM: they stop their VMs), then the control plane.
-        Idempotent; state stays in the data directory."""
+    async def stop(self, keep_vms: bool = False) -> None:
+        """Stop the operator and agent (SIGTERM), then (unless ``keep_vms``) the VMs the agent
+        left running, then the control plane. Idempotent; state stays in the data directory.
+        ``qemu`` VMs outlive their agent: kept, they go on with their jobs and the next start's
+        agent re-attaches them (an upgrade of ``impvm up``); stopped, the next agent reports
+        them Failed."""
+        agents = [n for n in self.procs if n.startswith("agent-")]
         for name in list(self.procs):
             self.kill(name, signal.SIGTERM)
+        for name in agents if not keep_vms else ():
+            await asyncio.to_thread(kill_all_recorded, self.data_dir / name)
         if self.kube is not None:
             await self.kube.close()
             self.kube = None
