@@ -138,6 +138,7 @@ async def test_a_job_survives_its_agent_being_killed_or_replaced(stack: Stack) -
     assert _jit_calls(stack) == await _created(stack)
     log = (stack.config.workdir / f"{AGENT}.log").read_text()
     assert "Traceback" not in log
+    assert log.count("re-attached VM") >= 3 and "(ended meanwhile)" in log
 
 
 def _idle(stack: Stack) -> Any:

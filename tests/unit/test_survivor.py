@@ -99,3 +99,9 @@ def test_the_accelerator_choice_is_reused_only_for_the_same_inputs(tmp_path: Pat
     assert _probe_key("sh", kernel, initramfs, "tcg") != key
     initramfs.write_bytes(b"rebuilt")
     assert _cached_choice(cache, _probe_key("sh", kernel, initramfs, "auto")) is None
+
+
+async def test_a_launched_child_is_reaped_with_its_exit_status() -> None:
+    p = AdoptedProcess.launch(["sh", "-c", "exit 7"], start_new_session=True)
+    assert await asyncio.wait_for(p.wait(), 10) == 7 and p.returncode == 7
+    assert identity_of(p.pid) is None  # reaped, not left a zombie

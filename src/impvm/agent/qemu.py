@@ -41,7 +41,10 @@ user-mode networking (slirp): guest 10.0.2.15/24, gateway 10.0.2.2 = the host's 
 
 Lifetime: a VM outlives the agent process, so a job survives an agent crash or upgrade. QEMU runs
 in a session of its own (``setsid``: no signal to the agent's process group reaches it) and
-nothing ties it to its parent; under systemd (``/run/systemd/system``, root) it is started through
+nothing ties it to its parent (no parent-death signal; started with ``subprocess.Popen`` and
+watched through a pidfd, :meth:`~impvm.agent.survivor.AdoptedProcess.launch`, because an asyncio
+subprocess is killed when the agent's event loop closes on a graceful exit); under systemd
+(``/run/systemd/system``, root) it is started through
 ``systemd-run --scope`` in ``impvm-vms.slice``, a cgroup of its own, so stopping or restarting the
 agent's unit leaves it alone. Everything a new agent process needs is in the VM's private workdir:
 the console and status files, the control socket, and ``qemu.json`` (written at launch: QEMU's
@@ -65,6 +68,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -403,11 +407,12 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             args = self._qemu_args(req, disk, jit_r, cfg_r, net)
             if self.systemd_scope:
                 args = [*scope_prefix(req.vm_id), *args]
-            # a session of its own and no parent-death signal: the VM outlives the agent
-            proc = await asyncio.create_subprocess_exec(
-                *args,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
+            # a session of its own, no parent-death signal, and not an asyncio subprocess (whose
+            # transport kills it when the agent's event loop closes): the VM outlives the agent
+            proc = AdoptedProcess.launch(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
                 stderr=logfd,
                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
                 pass_fds=(jit_r, cfg_r),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -36,6 +37,8 @@ from impvm.agent.network.node import GuestNetwork, NodeNetwork
 from impvm.agent.network.ruleset import Kind
 from impvm.agent.runtime import RuntimeState, Secret, VMRequest, VMRuntimeError
 from impvm.agent.survivor import SecretPrint
+
+log = logging.getLogger("impvm.agent.runtime")
 
 #: The VM's console (stdout/stderr or serial port) in its workdir, mode 0600.
 CONSOLE_LOG = "console.log"
@@ -233,6 +236,8 @@ class RuntimeBase(Generic[VM]):
             if vm is None:
                 return RuntimeState(status="missing")
             self._vms[req.vm_id] = vm
+            ended = "ended meanwhile" if vm.exit_code is not None else "running"
+            log.info("re-attached VM %s an earlier agent process launched (%s)", req.vm_id, ended)
             self.store.retain(vm.prepared.key)
             if vm.exit_code is None:
                 vm.tasks.append(asyncio.create_task(self._reap(vm)))

@@ -25,6 +25,7 @@ import hmac
 import os
 import secrets
 import signal
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,13 +131,15 @@ def identity_of(pid: int) -> ProcessIdentity | None:
 
 
 class AdoptedProcess:
-    """A process started by an earlier agent process, watched through a pidfd. The interface of
-    :class:`asyncio.subprocess.Process` the runtimes use: ``pid``, ``returncode`` (None while it
-    runs; 0 once it ended: its real status went to its parent), :meth:`wait`, :meth:`terminate`,
-    :meth:`kill`."""
+    """A process started by an earlier agent process (or by this one, :meth:`launch`), watched
+    through a pidfd. The interface of :class:`asyncio.subprocess.Process` the runtimes use:
+    ``pid``, ``returncode`` (None while it runs; once it ended its exit status when it is this
+    process's child, else 0: the real status went to its parent), :meth:`wait`,
+    :meth:`terminate`, :meth:`kill`."""
 
-    def __init__(self, pid: int, pidfd: int | None) -> None:
+    def __init__(self, pid: int, pidfd: int | None, child: bool = False) -> None:
         self.pid = pid
+        self._child = child
         self._fd = pidfd
         self.returncode: int | None = None if pidfd is not None else 0
         self._ended = asyncio.Event()
@@ -156,23 +159,45 @@ class AdoptedProcess:
             return cls(identity.pid, None)
         return cls(identity.pid, fd)
 
+    @classmethod
+    def launch(cls, args: list[str], **popen: Any) -> AdoptedProcess:
+        """Start ``args`` as a child of this process (``subprocess.Popen`` keywords in ``popen``)
+        and watch it the same way. Unlike an asyncio subprocess, whose transport kills a child
+        still running when the event loop closes, nothing here ends the child when this process
+        exits: it is meant to outlive it. Raises OSError when it cannot be started."""
+        proc = subprocess.Popen(args, **popen)
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except OSError:  # cannot happen for an unreaped child; reap it rather than leak it
+            proc.kill()
+            proc.wait()
+            raise
+        proc.returncode = 0  # never reaped through Popen: through the pidfd below
+        return cls(proc.pid, fd, child=True)
+
     def _on_exit(self) -> None:
         loop = asyncio.get_running_loop()
+        code = 0
+        if self._child:  # ours to reap (else it stays a zombie): its real status
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid == self.pid:
+                    code = os.waitstatus_to_exitcode(status)
         if self._fd is not None:
             loop.remove_reader(self._fd)
             os.close(self._fd)
             self._fd = None
-        self.returncode = 0
+        self.returncode = code
         self._ended.set()
 
     async def wait(self) -> int:
-        """Return once the process has ended (0: see the class docstring)."""
+        """Return once the process has ended, with :attr:`returncode`."""
         if self._fd is not None and not self._ended.is_set():
             loop = asyncio.get_running_loop()
             with contextlib.suppress(ValueError, FileExistsError, RuntimeError):
                 loop.add_reader(self._fd, self._on_exit)
         await self._ended.wait()
-        return 0
+        return self.returncode if self.returncode is not None else 0
 
     def send_signal(self, sig: int) -> None:
         """Signal the process (through its pidfd: never another process that got its pid).
