@@ -45,6 +45,10 @@ TEMPLATE_HASH_ANNOTATION = "imp.dev/template-hash"
 MAX_POOL_NAME = 63
 #: Key of the JIT config in the Secret owned by a VM.
 JIT_SECRET_KEY = "jitconfig"
+#: Where a node agent asks the operator for a VM's JIT config (``{namespace}``, ``{name}``: the
+#: VM's), with a node-bound ServiceAccount token for the audience :data:`JIT_HANDOUT_AUDIENCE`.
+JIT_HANDOUT_PATH = "/agents/v1/namespaces/{namespace}/impvms/{name}/jitconfig"
+JIT_HANDOUT_AUDIENCE = "impvm-operator"
 #: Key of the webhook secret in the Secret named by ``scaling.webhook.secretRef``.
 WEBHOOK_SECRET_KEY = "webhook_secret"
 

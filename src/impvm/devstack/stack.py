@@ -494,10 +494,11 @@ class Stack:
         assert self.service is not None
         self.service.start_agent(node)
 
-    def start_operator(self) -> None:
-        """Start (or restart) the operator process."""
+    def start_operator(self, replica: int = 0, port: int | None = None) -> str:
+        """Start (or restart) an operator replica (``operator``, or ``operator-<replica>`` on
+        ``port``); returns its process name."""
         assert self.service is not None
-        self.service.start_operator()
+        return self.service.start_operator(replica, port)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Kill one process (``operator`` or ``agent-<node>``) and wait for it."""
