@@ -148,6 +148,9 @@ def agent(
     network_prefix: Annotated[
         str, typer.Option(help="Name prefix of the VMs' interfaces (<prefix>-<slot>).")
     ] = "impvm",
+    metrics_address: Annotated[
+        str, typer.Option(help="HOST:PORT of GET /metrics and /healthz ('' : not served).")
+    ] = "127.0.0.1:9464",
 ) -> None:
     """Run the node agent: claim ImpVMs for this node and run them."""
     import os
@@ -172,6 +175,7 @@ def agent(
         guest_dns,
         network_table,
         network_prefix,
+        metrics_address,
     )
 
 

@@ -3,6 +3,7 @@ that the chart carries deploy/'s CRDs and RBAC rules verbatim."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -220,3 +221,14 @@ def test_packaged_chart_renders_the_same(helm: Helm, tmp_path: Path) -> None:
         "template", "impvm", str(archive), "--namespace", "impvm-system", "--include-crds"
     ).stdout
     assert from_archive == helm.template_text("--include-crds")
+
+
+def test_grafana_dashboard_configmap(helm: Helm) -> None:
+    assert not by_kind(helm.template(), "ConfigMap")  # off by default
+    docs = helm.template("--values", str(FULL_VALUES))
+    cm = one(docs, "ConfigMap", "impvm-full-grafana-dashboard")
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "CI"}
+    source = (REPO / "deploy" / "grafana" / "impvm-dashboard.json").read_text()
+    assert json.loads(cm["data"]["impvm-dashboard.json"]) == json.loads(source)

@@ -48,6 +48,7 @@ from lightkube.resources.core_v1 import Secret as K8sSecret
 from lightkube.types import PatchType
 
 from impvm.agent import lifecycle as lc
+from impvm.agent import metrics
 from impvm.agent.capacity import ZERO, Resources, total
 from impvm.agent.network.policy import EgressLayer, egress_layers
 from impvm.agent.runtime import (
@@ -70,6 +71,7 @@ from impvm.api.models import (
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
 from impvm.api.times import utcnow
 from impvm.events import EventRecorder
+from impvm.vm_metrics import record_phase
 from impvm.watchcache import Key, WatchCache
 
 log = logging.getLogger("impvm.agent")
@@ -234,9 +236,12 @@ class Agent:
     async def _renew_lease(self) -> None:
         """Apply the Lease with this node's capacity, runtime and accelerator."""
         c = self.config
+        used = self.record_capacity()
         annotations = {
             "imp.dev/vcpu": str(c.capacity.vcpu),
             "imp.dev/memory-mib": str(c.capacity.memory_mib),
+            "imp.dev/vcpu-used": str(used.vcpu),
+            "imp.dev/memory-mib-used": str(used.memory_mib),
             "imp.dev/runtime": self.runtime.name,
             "imp.dev/accelerator": c.accelerator,
         }
@@ -354,6 +359,13 @@ class Agent:
             self._local.pop(key, None)
         return action if done else None
 
+    def record_capacity(self) -> Resources:
+        """Export offered and used capacity (metrics); returns what is used."""
+        used = self._used(("", ""))
+        c = self.config
+        metrics.record_capacity(c.node_name, c.capacity, used, len(self.mine.values()))
+        return used
+
     def _used(self, exclude: Key) -> Resources:
         """vCPU/MiB of the VMs bound here and not yet released, other than ``exclude`` (a VM
         whose class was deleted keeps the size it was given)."""
@@ -425,12 +437,14 @@ class Agent:
             ok = await self._patch_meta(vm, fins, {"spec": {"nodeName": self.config.node_name}})
             if ok:
                 local.size = step.size
+                self.record_capacity()
             return ok
         if isinstance(step, lc.AddFinalizer):
             return await self._patch_meta(vm, [*vm.finalizers, AGENT_FINALIZER])
         if isinstance(step, lc.Release):
             ok = await self._patch_meta(vm, [f for f in vm.finalizers if f != AGENT_FINALIZER])
             if ok:  # capacity freed: the unbound VMs may fit now
+                self.record_capacity()
                 for k in self.unbound.store:
                     self._poke(k)
             return ok
@@ -548,6 +562,8 @@ class Agent:
             patch_type=PatchType.MERGE,
         )
         self._written(got.to_dict())
+        old = vm.phase
+        record_phase(self.config.node_name, str(old) if old else None, status.get("phase"))
 
     async def _read_jitconfig(self, vm: lc.VMRecord) -> Secret | None:
         """The JIT config from the VM's Secret; None while it is not there (yet)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lightkube import AsyncClient
 
+from impvm import metrics_http
 from impvm.agent.agent import Agent, AgentConfig
 from impvm.agent.capacity import Resources
 from impvm.agent.images import ImageStore
@@ -21,6 +22,9 @@ from impvm.agent.qemu import QemuRuntime, create_qemu_runtime
 from impvm.agent.runtime import Runtime, VMRuntimeError
 
 log = logging.getLogger("impvm.agent")
+
+#: loopback: the node's VMs and other tenants cannot read it; a DaemonSet sets the pod address
+DEFAULT_METRICS_ADDRESS = "127.0.0.1:9464"
 
 
 def default_node_name() -> str:
@@ -109,16 +113,28 @@ def make_network(
     return NodeNetwork(cfg, workdir / "network")
 
 
-async def run(config: AgentConfig, runtime: Runtime, network: NodeNetwork | None = None) -> None:
+async def run(
+    config: AgentConfig,
+    runtime: Runtime,
+    network: NodeNetwork | None = None,
+    metrics_address: tuple[str, int] | None = None,
+) -> None:
     """Run the agent until cancelled (credentials from KUBECONFIG or the ServiceAccount); first
-    rebuild the node's guest networks from what is running."""
+    rebuild the node's guest networks from what is running. ``metrics_address``: where
+    ``GET /metrics`` and ``GET /healthz`` are served (None: not served)."""
     if network is not None:
         await network.start()
+    server = None
+    if metrics_address is not None:
+        server = await metrics_http.start(metrics_http.make_app(), *metrics_address)
+        log.info("metrics on %s:%d", *metrics_address)
     kube = AsyncClient(field_manager="impvm-agent")
     try:
         await Agent(kube, runtime, config).run()
     finally:
         await kube.close()
+        if server is not None:
+            await server.cleanup()
 
 
 def main(
@@ -138,10 +154,17 @@ def main(
     guest_dns: list[str] | None = None,
     network_table: str = "impvm",
     network_prefix: str = "impvm",
+    metrics_address: str = DEFAULT_METRICS_ADDRESS,
 ) -> None:
-    """Blocking entry point of the CLI."""
+    """Blocking entry point of the CLI. ``metrics_address``: ``HOST:PORT`` of ``/metrics``, or
+    ``""`` for none."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        metrics_at = metrics_http.parse_address(metrics_address) if metrics_address else None
+    except ValueError as exc:
+        print(f"impvm agent: --metrics-address {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         network = make_network(
             workdir, guest_network, guest_subnet, guest_dns, network_table, network_prefix
@@ -167,6 +190,6 @@ def main(
         accelerator=str(runtime.accel) if isinstance(runtime, QemuRuntime) else "none",
     )
     try:
-        asyncio.run(run(config, runtime, network))
+        asyncio.run(run(config, runtime, network, metrics_at))
     except NetworkError as exc:  # the node cannot isolate its VMs: do not run any
         raise SystemExit(f"impvm agent: guest networks: {exc}") from None

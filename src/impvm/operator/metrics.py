@@ -14,6 +14,17 @@ POOL_PENDING = Gauge(
     "impvm_pool_pending_jobs", "Queued jobs routed to a pool, no runner yet.", ["namespace", "pool"]
 )
 VMS_CREATED = Counter("impvm_vms_created_total", "ImpVMs created.", ["namespace", "pool"])
+JIT_MINTS = Counter(
+    "impvm_jit_mints_total",
+    "JIT runner registrations minted, by result (ok, or the GitHub failure reason such as "
+    "RateLimited; SecretWriteFailed when the Secret could not be written).",
+    ["namespace", "pool", "result"],
+)
+REAPER_DECISIONS = Counter(
+    "impvm_reaper_decisions_total",
+    "Reaper verdicts by action (delete, keep, not_judged) and the table rule that decided.",
+    ["namespace", "pool", "action", "reason"],
+)
 
 
 def record_pool(key: PoolKey, counts: Counts, created: int) -> None:

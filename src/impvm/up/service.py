@@ -313,6 +313,8 @@ class Service:
             a.network_table,
             "--network-prefix",
             a.network_prefix,
+            "--metrics-address",
+            a.metrics_listen,
         ]
         for d in a.guest_dns or []:
             args += ["--guest-dns", d]
