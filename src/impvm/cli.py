@@ -204,6 +204,58 @@ def up(
     raise typer.Exit(code=run(config))
 
 
+@app.command()
+def status(
+    namespace: Annotated[
+        str | None, typer.Option("--namespace", "-n", help="Only this namespace (default: all).")
+    ] = None,
+    output: Annotated[str, typer.Option("--output", "-o", help="table or json.")] = "table",
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Redraw until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between redraws (--watch).")] = 2.0,
+    kubeconfig: Annotated[
+        Path | None,
+        typer.Option(help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)."),
+    ] = None,
+    context: Annotated[str | None, typer.Option(help="kubeconfig context.")] = None,
+) -> None:
+    """What a person on call looks at first: pools and their conditions, VMs by phase and node,
+    agents (capacity, heartbeat, preflight), the GitHub rate limit, the last warning Events."""
+    import asyncio
+
+    from lightkube import ConfigError
+    from rich.console import Console
+
+    from impvm.statuscmd import client, run
+
+    if output not in ("table", "json"):
+        typer.echo(f"impvm status: --output {output!r}: want table or json", err=True)
+        raise typer.Exit(code=2)
+    try:
+        kube = client(kubeconfig, context)
+    except (ConfigError, OSError) as e:
+        typer.echo(f"impvm status: no usable kubeconfig: {e}", err=True)
+        raise typer.Exit(code=2) from None
+
+    async def main() -> int:
+        try:
+            return await run(
+                kube,
+                Console(),
+                namespace=namespace,
+                output=output,
+                watch=watch,
+                interval=interval,
+            )
+        finally:
+            await kube.close()
+
+    try:
+        code = asyncio.run(main())
+    except KeyboardInterrupt:
+        code = 0
+    raise typer.Exit(code=code)
+
+
 @dev_app.command("up")
 def dev_up(
     runtime: Annotated[str, typer.Option(help="VM runtime: process or qemu.")] = "process",

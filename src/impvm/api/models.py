@@ -748,6 +748,15 @@ class PollStatus(ApiModel):
     error: str | None = Field(default=None, description="Why the poll failed, if it did.")
 
 
+class RateLimitStatus(ApiModel):
+    """The core REST rate limit of the pool's installation as GitHub last reported it
+    (``x-ratelimit-*`` headers; GitHub docs, "Rate limits for the REST API")."""
+
+    limit: int | None = Field(default=None, ge=0, description="Requests per hour.")
+    remaining: int | None = Field(default=None, ge=0, description="Requests left.")
+    reset_at: datetime | None = Field(default=None, description="When the window resets.")
+
+
 class WarmPoolStatus(ApiModel):
     """The warm pool's estimates, carried from pass to pass (Kubernetes is the database: a
     restarted operator resumes from here). Changed only by observed events."""
@@ -795,6 +804,9 @@ class ImpVMRunnerPoolStatus(ApiModel):
     )
     last_scale_up_time: datetime | None = Field(default=None)
     last_poll: PollStatus | None = Field(default=None)
+    rate_limit: RateLimitStatus | None = Field(
+        default=None, description="The installation's rate limit, as of the last status write."
+    )
     warm_pool: WarmPoolStatus | None = Field(default=None, description="Warm pool estimates.")
     conditions: list[Condition] | None = Field(
         default=None,

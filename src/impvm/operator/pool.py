@@ -28,7 +28,7 @@ from impvm.scaling.jobtable import Job, PoolScope
 from impvm.scaling.labels import PoolLabels
 from impvm.scaling.names import runner_prefix, secret_name
 from impvm.scaling.pool import RunnerView
-from impvm.scaling.poolpass import decide, settle
+from impvm.scaling.poolpass import decide, settle, waiting_for_a_node
 from impvm.scaling.world import (
     ClassObj,
     GitHubView,
@@ -107,7 +107,9 @@ class PoolReconciler:
         missing = await self._register(pool)
         github, view = await self._github(pool, world)
         vms = await src.vms(pool)
-        leases = await src.leases() if any(v.spec.node_name for v in vms) else ()
+        # Leases matter for VMs on nodes (lost nodes) and VMs no node took (Unschedulable)
+        needs = any(v.spec.node_name for v in vms) or waiting_for_a_node(replace(world, vms=vms))
+        leases = await src.leases() if needs else ()
         pending, running = self._jobs(pool, vms)
         return replace(
             world,

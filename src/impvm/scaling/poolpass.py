@@ -52,7 +52,7 @@ from impvm.api.models import (
 )
 from impvm.api.times import k8s_time
 from impvm.scaling.names import owns_runner_name, secret_name, template_hash
-from impvm.scaling.nodes import lost_nodes, node_lost
+from impvm.scaling.nodes import lost_nodes, node_lost, unschedulable
 from impvm.scaling.pool import (
     Counts,
     PoolLimits,
@@ -87,7 +87,16 @@ __all__ = [
 ]
 
 #: Condition types the pool pass owns (the reaper owns ``Reaper``).
-CONDITION_TYPES = ("CredentialsInvalid", "GitHubUnavailable", "RateLimited", "Ready")
+CONDITION_TYPES = (
+    "CredentialsInvalid",
+    "GitHubUnavailable",
+    "RateLimited",
+    "Ready",
+    "Unschedulable",
+)
+#: an unbound VM younger than this is not yet judged unschedulable: agents claim within a
+#: second, and the used capacity on their Leases is up to one renewal (10 s) old
+UNSCHEDULABLE_AFTER_SECONDS = 15.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -723,6 +732,10 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
         events.append(
             EventSpec("ScaledUp", f"created {created} VM(s): {sizing.create_reason}"[:1000])
         )
+    if g.budget is not None:
+        b = g.budget
+        reset_at = k8s_time(dt.datetime.fromtimestamp(b.reset, dt.UTC))
+        status["rateLimit"] = {"limit": b.limit, "remaining": b.remaining, "resetAt": reset_at}
     if world.polled is not None:
         p = world.polled
         if p.failure is not None:
@@ -746,12 +759,44 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
             f"{c.idle} idle, {c.busy} busy, {c.starting} starting; desired {c.desired}",
             now,
         )
+    _placement(world, conds, events)
     s = world.settings
     busy = sizing.create > created or sizing.counts.starting > 0 or bool(sizing.mint_secrets)
     requeue = s.busy_resync_seconds if busy else s.resync_seconds
     if not backoff.ready(mono):
         requeue = min(requeue, max(1.0, _wait(backoff, mono)))
     return _settlement(world, status, conds, events, backoff, poll, requeue, c)
+
+
+def waiting_for_a_node(world: PoolWorld) -> int:
+    """The pool's VMs that no agent has claimed for :data:`UNSCHEDULABLE_AFTER_SECONDS`."""
+    now = world.now
+    return sum(
+        1
+        for v in world.vms
+        if not v.spec.node_name
+        and not v.deleting
+        and v.status.phase in (None, VMPhase.PENDING)
+        and (now - v.created_at).total_seconds() >= UNSCHEDULABLE_AFTER_SECONDS
+    )
+
+
+def _placement(world: PoolWorld, conds: ConditionSet, events: list[EventSpec]) -> None:
+    """Condition ``Unschedulable``: True (with free and needed vCPU and MiB) while VMs of the
+    pool fit on no live agent, with a Warning Event when it becomes True."""
+    cls = world.vm_class
+    if cls is None:
+        return
+    waiting = waiting_for_a_node(world)
+    verdict = unschedulable(
+        list(world.leases), world.now, waiting, cls.spec.vcpu, cls.spec.memory_mib
+    )
+    if verdict is None:
+        text = f"{waiting} VM(s) waiting for a node" if waiting else "every VM is on a node"
+        conds.set("Unschedulable", False, "Schedulable", text, world.now)
+        return
+    if conds.set("Unschedulable", True, verdict.reason, verdict.message, world.now):
+        events.append(EventSpec("Unschedulable", verdict.message, warning=True))
 
 
 def _settlement(
@@ -767,7 +812,8 @@ def _settlement(
     stored = world.pool.stored_status
     stored_conds = list(stored.get("conditions") or [])
     write = (
-        any(stored.get(k) != v for k, v in status.items() if k != "lastPoll")
+        # lastPoll and rateLimit change every pass: written along with a real change
+        any(stored.get(k) != v for k, v in status.items() if k not in ("lastPoll", "rateLimit"))
         or conds.merged_into(stored_conds) != stored_conds
         or "lastPoll" in status
     )
