@@ -256,6 +256,49 @@ def status(
     raise typer.Exit(code=code)
 
 
+@app.command()
+def logs(
+    vm: Annotated[str, typer.Argument(help="The ImpVM's name.")],
+    namespace: Annotated[str, typer.Option("--namespace", "-n", help="Its namespace.")] = (
+        "default"
+    ),
+    kubeconfig: Annotated[
+        Path | None,
+        typer.Option(help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)."),
+    ] = None,
+    context: Annotated[str | None, typer.Option(help="kubeconfig context.")] = None,
+) -> None:
+    """Print a VM's console: the copy kept when it failed (also after the VM is deleted), or
+    the live console of a running VM. Reads the file on this machine (impvm up's node)."""
+    import asyncio
+    import sys
+
+    from lightkube import ConfigError
+
+    from impvm.logscmd import LogsError, locate, read
+    from impvm.statuscmd import client
+
+    try:
+        kube = client(kubeconfig, context)
+    except (ConfigError, OSError) as e:
+        typer.echo(f"impvm logs: no usable kubeconfig: {e}", err=True)
+        raise typer.Exit(code=2) from None
+
+    async def main() -> bytes:
+        try:
+            return read(await locate(kube, namespace, vm))
+        finally:
+            await kube.close()
+
+    try:
+        data = asyncio.run(main())
+    except LogsError as e:
+        typer.echo(f"impvm logs: {e}", err=True)
+        raise typer.Exit(code=1) from None
+    sys.stdout.buffer.write(data)
+    sys.stdout.flush()
+
+
 @dev_app.command("up")
 def dev_up(
     runtime: Annotated[str, typer.Option(help="VM runtime: process or qemu.")] = "process",

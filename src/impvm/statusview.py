@@ -108,6 +108,8 @@ def _vm(raw: Mapping[str, Any], now: dt.datetime) -> dict[str, Any]:
         "ageSeconds": _age(now, parse_time(meta.get("creationTimestamp"))),
         "exitReason": st.get("exitReason"),
         "message": st.get("message"),
+        "consoleTail": st.get("consoleTail"),
+        "consoleLog": st.get("consoleLog"),
     }
 
 
@@ -240,13 +242,15 @@ def render(summary: Mapping[str, Any]) -> RenderableType:
         parts.append(w)
     failed = summary["vms"]["failed"]
     if failed:
-        f = _table("Failed VMs", ("vm", "node", "reason", "message"))
+        f = _table("Failed VMs", ("vm", "node", "reason", "console (last lines)", "full log"))
         for v in failed:
+            tail = v["consoleTail"] or v["message"] or ""
             f.add_row(
                 f"{v['namespace']}/{v['name']}",
                 cell(v["node"]),
                 cell(v["exitReason"]),
-                cell(v["message"]),
+                cell("\n".join(tail.splitlines()[-3:])),
+                cell(v["consoleLog"] and f"impvm logs -n {v['namespace']} {v['name']}"),
             )
         parts.append(f)
 

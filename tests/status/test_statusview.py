@@ -103,7 +103,15 @@ def test_summary_and_table() -> None:
             vm("a", "Running", "node-1"),
             vm("b", "Running", "node-1"),
             vm("c", None, None),
-            vm("d", "Failed", "node-1", exitReason="StartFailed", message="qemu exited 1"),
+            vm(
+                "d",
+                "Failed",
+                "node-1",
+                exitReason="Error",
+                message="a\nb\nqemu exited 1",
+                consoleTail="a\nb\nqemu exited 1",
+                consoleLog="node-1:/var/lib/impvm/consoles/ci.d.12345678.log",
+            ),
         ],
         leases=[LEASE],
         events=[event, normal],
@@ -135,7 +143,7 @@ def test_summary_and_table() -> None:
     assert "waiting for status" in out  # the pool the operator has not written yet
     assert "2/8" in out and "2048/16384" in out and "kvm" in out and "5.0s ago" in out
     assert "4990/5000" in out and "(x3)" in out
-    assert "StartFailed" in out and "qemu exited 1" in out
+    assert "Error" in out and "qemu exited 1" in out and "impvm logs -n ci d" in out
 
 
 def test_empty_cluster_and_lost_agent() -> None:

@@ -139,6 +139,7 @@ class Agent:
             start_timeout_seconds=config.start_timeout_seconds,
             stop_grace_seconds=config.stop_grace_seconds,
             jit_retry_seconds=config.jit_retry_seconds,
+            console_dir=str(config.workdir / "consoles"),
         )
         self.events = EventRecorder(client, component="impvm-agent", host=config.node_name)
         node = config.node_name
@@ -244,6 +245,7 @@ class Agent:
             "imp.dev/memory-mib-used": str(used.memory_mib),
             "imp.dev/runtime": self.runtime.name,
             "imp.dev/accelerator": c.accelerator,
+            "imp.dev/workdir": str(c.workdir),
         }
         body = Lease(
             metadata=ObjectMeta(
@@ -424,7 +426,7 @@ class Agent:
             if vm is not None:
                 await self._event(vm, step)
             return True
-        if isinstance(step, lc.Stop | lc.Cleanup | lc.Prepare | lc.Start):
+        if isinstance(step, lc.Stop | lc.Cleanup | lc.Prepare | lc.Start | lc.KeepConsole):
             assert req is not None, f"{step} without a request"
             return await self._runtime_step(key, vm, req, local, step)
         assert vm is not None, f"{step} for a VM that is gone"
@@ -457,6 +459,11 @@ class Agent:
         facts = local.facts
         if isinstance(step, lc.Stop):
             await self.runtime.stop(req, step.grace_seconds)
+        elif isinstance(step, lc.KeepConsole):
+            try:
+                await self.runtime.keep_console(req, Path(step.path))
+            except OSError as e:  # a full disk must not keep the VM from being cleaned up
+                log.warning("vm %s/%s: console not kept: %s", *key, e)
         elif isinstance(step, lc.Cleanup):
             await self.runtime.cleanup(req)
             facts = replace(facts, cleaned=True)

@@ -60,6 +60,8 @@ NOT_STARTED: frozenset[VMPhase | None] = frozenset({None, VMPhase.PENDING, VMPha
 CLASS_MISSING = "ClassMissing"
 #: How much of a console tail or failure message goes into ``status.message`` / an Event.
 MESSAGE_CHARS = 2000
+#: console lines a failed VM's status carries (``status.consoleTail``)
+CONSOLE_TAIL_LINES = 20
 EVENT_CHARS = 500
 
 
@@ -150,6 +152,8 @@ class Policy:
     start_timeout_seconds: float = 300.0
     stop_grace_seconds: float = 10.0
     jit_retry_seconds: float = 2.0
+    #: where the consoles of failed VMs are kept on this node ("": not kept)
+    console_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -243,6 +247,14 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class KeepConsole:
+    """Copy the VM's console, bounded and with its JIT config scrubbed, to ``path`` (before
+    :class:`Cleanup` removes the original); old kept consoles beyond the node's bound go."""
+
+    path: str
+
+
+@dataclass(frozen=True)
 class Cleanup:
     """Remove everything of the VM on this node (the runtime's ``cleanup``)."""
 
@@ -252,7 +264,18 @@ class Release:
     """Remove the agent finalizer (conditional on the observed resourceVersion)."""
 
 
-Step = Claim | AddFinalizer | PatchStatus | Emit | Prepare | Start | Stop | Cleanup | Release
+Step = (
+    Claim
+    | AddFinalizer
+    | PatchStatus
+    | Emit
+    | Prepare
+    | Start
+    | Stop
+    | KeepConsole
+    | Cleanup
+    | Release
+)
 
 
 class Why(StrEnum):
@@ -468,11 +491,48 @@ def _finish(obs: VMObservation, rt: RuntimeState) -> AgentAction:
         "finishedAt": k8s_time(rt.finished_at or obs.now),
     }
     if code == 0:
-        event = Emit("Succeeded", "runner exited 0")
+        steps: tuple[Step, ...] = (PatchStatus(status), Emit("Succeeded", "runner exited 0"))
     else:
         status["message"] = rt.log_tail[-MESSAGE_CHARS:]
-        event = Emit("Failed", f"runner exited {code}", warning=True)
-    return AgentAction(Why.EXITED, (PatchStatus(status), event, Cleanup()), recheck_seconds=0)
+        keep, extra = _keep_console(obs, rt.log_tail)
+        status |= extra
+        steps = (
+            *keep,
+            PatchStatus(status),
+            Emit("Failed", f"runner exited {code}", warning=True),
+            *_console_event(obs, extra),
+        )
+    return AgentAction(Why.EXITED, (*steps, Cleanup()), recheck_seconds=0)
+
+
+def console_tail(text: str) -> str:
+    """The last :data:`CONSOLE_TAIL_LINES` lines of ``text``, at most :data:`MESSAGE_CHARS`."""
+    return "\n".join(text.splitlines()[-CONSOLE_TAIL_LINES:])[-MESSAGE_CHARS:]
+
+
+def _keep_console(obs: VMObservation, tail: str) -> tuple[tuple[Step, ...], dict[str, Any]]:
+    """The step keeping a failed VM's console and the status fields naming it: ``consoleTail``
+    (its last lines) and ``consoleLog`` (``<node>:<path>``)."""
+    fields: dict[str, Any] = {}
+    if tail:
+        fields["consoleTail"] = console_tail(tail)
+    if not obs.policy.console_dir or obs.vm is None:
+        return (), fields
+    path = f"{obs.policy.console_dir}/{obs.vm.vm_id}.log"
+    fields["consoleLog"] = f"{obs.node}:{path}"
+    return (KeepConsole(path),), fields
+
+
+def _console_event(obs: VMObservation, fields: Mapping[str, Any]) -> tuple[Step, ...]:
+    """The Event saying where the full console is."""
+    where = fields.get("consoleLog")
+    if not where or obs.vm is None:
+        return ()
+    node, _, path = str(where).partition(":")
+    text = (
+        f"console log kept on node {node} at {path}; impvm logs -n {obs.vm.namespace} {obs.vm.name}"
+    )
+    return (Emit("ConsoleLogKept", text),)
 
 
 def _fail(
@@ -489,13 +549,21 @@ def _fail(
     steps: list[Step] = list(before)
     if stop:
         steps.append(Stop(obs.policy.stop_grace_seconds))
-    status = {
+    status: dict[str, Any] = {
         "phase": VMPhase.FAILED,
         "exitReason": reason,
         "finishedAt": k8s_time(obs.now),
         "message": message[-MESSAGE_CHARS:],
     }
-    steps += [PatchStatus(status), Emit(reason, message[-EVENT_CHARS:], warning=True), Cleanup()]
+    keep, extra = _keep_console(obs, obs.runtime.log_tail)
+    status |= extra
+    steps += [
+        *keep,
+        PatchStatus(status),
+        Emit(reason, message[-EVENT_CHARS:], warning=True),
+        *_console_event(obs, extra),
+        Cleanup(),
+    ]
     return AgentAction(why, tuple(steps), recheck_seconds=0)
 
 

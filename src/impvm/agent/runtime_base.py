@@ -39,6 +39,55 @@ CONSOLE_LOG = "console.log"
 TAIL_BYTES = 16384
 
 
+#: A kept console (of a failed VM) holds at most this many bytes: its first
+#: :data:`KEPT_HEAD_BYTES` (the boot) and its end, cut at line boundaries.
+KEPT_BYTES = 1024 * 1024
+KEPT_HEAD_BYTES = 64 * 1024
+#: Kept consoles per node; the oldest go first.
+KEPT_FILES = 100
+
+
+def keep_console(
+    source: Path,
+    dest: Path,
+    secret: str | None,
+    limit: int = KEPT_BYTES,
+    head: int = KEPT_HEAD_BYTES,
+    keep_files: int = KEPT_FILES,
+) -> bool:
+    """Copy console ``source`` to ``dest`` (mode 0600; blocking): at most ``limit`` bytes, the
+    middle of a longer one replaced by a line saying how much was cut, every occurrence of
+    ``secret`` (the VM's JIT config) replaced by ``***``. Then remove the oldest ``*.log`` in
+    ``dest``'s directory beyond ``keep_files``. False when ``source`` does not exist."""
+    try:
+        with source.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= limit:
+                data = f.read()
+            else:
+                first = f.read(head)
+                first = first[: first.rfind(b"\n") + 1] or first
+                f.seek(size - (limit - head))
+                last = f.read()
+                last = last[last.find(b"\n") + 1 :] or last
+                cut = size - len(first) - len(last)
+                data = first + f"[... {cut} bytes cut ...]\n".encode() + last
+    except FileNotFoundError:
+        return False
+    if secret:
+        data = data.replace(secret.encode(), b"***")
+    dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = dest.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    os.replace(tmp, dest)
+    kept = sorted(dest.parent.glob("*.log"), key=lambda p: (p.stat().st_mtime, p.name))
+    for old in kept[: max(0, len(kept) - keep_files)]:
+        old.unlink(missing_ok=True)
+    return True
+
+
 def guest_hostname(req: VMRequest) -> str:
     """The VM's host name: its name as a DNS label (lower case, ``[a-z0-9-]``, at most 63)."""
     return re.sub(r"[^a-z0-9-]", "-", req.name.lower())[:63].strip("-") or "impvm"
@@ -211,6 +260,13 @@ class RuntimeBase(Generic[VM]):
         return RuntimeState(
             status="running" if started else "starting", started_at=vm.started_at, log_tail=tail
         )
+
+    async def keep_console(self, req: VMRequest, dest: Path) -> bool:
+        """Keep the VM's console at ``dest`` (:func:`keep_console`), before :meth:`cleanup`
+        removes the workdir. False when there is no console."""
+        vm = self._vms.get(req.vm_id)
+        secret = vm.secret if vm is not None else None
+        return await asyncio.to_thread(keep_console, req.workdir / CONSOLE_LOG, dest, secret)
 
     async def stop(self, req: VMRequest, grace_seconds: float = 10.0) -> None:
         """Stop the VM: ask it to end, then kill it once ``grace_seconds`` passed (at once when

@@ -935,6 +935,16 @@ class ImpVMStatus(ApiModel):
         default=None, description="Why the VM ended (Completed, Error, DeadlineExceeded, ...)."
     )
     message: str | None = Field(default=None, description="Detail (console tail on failure).")
+    console_tail: str | None = Field(
+        default=None,
+        max_length=4000,
+        description="A failed VM's last console lines (JIT config scrubbed).",
+    )
+    console_log: str | None = Field(
+        default=None,
+        max_length=1000,
+        description="<node>:<path> of a failed VM's kept console (impvm logs prints it).",
+    )
     conditions: list[Condition] | None = Field(
         default=None,
         description=_CONDITIONS_DESC,
