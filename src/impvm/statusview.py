@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Group, RenderableType
@@ -40,7 +40,6 @@ class Snapshot:
     vms: Sequence[Mapping[str, Any]] = ()
     leases: Sequence[Mapping[str, Any]] = ()
     events: Sequence[Mapping[str, Any]] = ()
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _age(now: dt.datetime, then: dt.datetime | None) -> float | None:
@@ -71,6 +70,7 @@ def _pool(raw: Mapping[str, Any]) -> dict[str, Any]:
         ],
         "credentials": (spec.get("platform") or {}).get("credentialsSecret"),
         "rateLimit": st.get("rateLimit"),
+        "timings": st.get("timings") or {},
     }
 
 
@@ -164,7 +164,6 @@ def summarize(snap: Snapshot) -> dict[str, Any]:
         "agents": agents,
         "rateLimits": sorted(limits.values(), key=lambda e: e["installation"]),
         "events": [_event(e) for e in warnings[:MAX_EVENTS]],
-        **snap.extra,
     }
 
 
@@ -288,8 +287,25 @@ def render(summary: Mapping[str, Any]) -> RenderableType:
         rl.add_row("not reported yet", "-", "-", "-")
     parts.append(rl)
 
-    for extra in summary.get("sections", ()):
-        parts.append(extra_table(extra))
+    tm = _table(
+        "Job timings, last hour (p50 / p95)",
+        ("pool", "job pickup", "VM boot", "runner registration"),
+    )
+    for p in summary["pools"]:
+
+        def q(kind: str, t: Mapping[str, Any] = p["timings"]) -> str:
+            got = t.get(kind)
+            if not got:
+                return "-"
+            p50, p95 = cell(got.get("p50Seconds"), "s"), cell(got.get("p95Seconds"), "s")
+            return f"{p50} / {p95} (n={got.get('count')})"
+
+        tm.add_row(
+            f"{p['namespace']}/{p['name']}", q("jobPickup"), q("vmBoot"), q("runnerRegistration")
+        )
+    if not summary["pools"]:
+        tm.add_row("-", "-", "-", "-")
+    parts.append(tm)
 
     ev = _table("Last warning Events", ("time", "object", "reason", "message"))
     for e in summary["events"]:
@@ -304,13 +320,3 @@ def render(summary: Mapping[str, Any]) -> RenderableType:
         ev.add_row("none", "-", "-", "-")
     parts.append(ev)
     return Group(*parts)
-
-
-def extra_table(section: Mapping[str, Any]) -> Table:
-    """A section another part adds to the document: ``{"title", "columns", "rows"}``."""
-    t = _table(str(section["title"]), [str(c) for c in section["columns"]])
-    for row in section["rows"]:
-        t.add_row(*(cell(v) for v in row))
-    if not section["rows"]:
-        t.add_row(*(["-"] * len(section["columns"])))
-    return t

@@ -465,7 +465,11 @@ def test_rung(
 def test_claim_binds_reports_and_tells() -> None:
     action = decide(observe(record(node=None, finalizer=False)))
     assert action.steps[0] == Claim(SIZE)
-    assert status_of(action) == {"phase": "Scheduled", "nodeName": NODE}
+    assert status_of(action) == {
+        "phase": "Scheduled",
+        "nodeName": NODE,
+        "timings": {"scheduledAt": k8s_time(NOW)},
+    }
     assert events_of(action) == [("Scheduled", False)]
 
 
@@ -519,6 +523,7 @@ def test_exit_reports() -> None:
         "exitCode": 0,
         "exitReason": "Completed",
         "finishedAt": k8s_time(NOW),
+        "timings": {"finishedAt": k8s_time(NOW)},
     }
     assert events_of(ok) == [("Succeeded", False)]
     bad = decide(observe(vm, "exited-3"))
@@ -527,6 +532,7 @@ def test_exit_reports() -> None:
         "exitCode": 3,
         "exitReason": "Error",
         "finishedAt": k8s_time(NOW),
+        "timings": {"finishedAt": k8s_time(NOW)},
         "message": "line\nboom",
         "consoleTail": "line\nboom",
     }

@@ -384,8 +384,12 @@ def test_runner_records_follow_github_and_a_vanished_registration_is_offline() -
     plan = decide(world(vms, (reg(1, "aaaaaa", online=True),)))
     by = {p.name: dict(p.status) for p in plan.sync}
     assert by[PREFIX + "aaaaaa"] == {
-        "runner": {"id": 1, "name": PREFIX + "aaaaaa", "online": True, "busy": False}
+        "runner": {"id": 1, "name": PREFIX + "aaaaaa", "online": True, "busy": False},
+        # first seen online: when, and the registration time it took (created 10 s ago)
+        "timings": {"createdAt": "2026-03-01T11:59:50Z", "runnerOnlineAt": "2026-03-01T12:00:00Z"},
     }
+    observed = {p.name: p.observe for p in plan.sync}
+    assert observed[PREFIX + "aaaaaa"] == (("runnerRegistration", 10.0),)
     assert by[PREFIX + "bbbbbb"] == {"runner": {"online": False, "busy": False}}
 
 
@@ -396,7 +400,7 @@ def test_the_job_a_runner_took_is_recorded_once() -> None:
         repository="octo/app",
         labels=("imp",),
         status="in_progress",
-        seen_at=NOW,
+        seen_at=ago(10),
         runner_name=PREFIX + "aaaaaa",
         started_at=ago(3),
     )
@@ -412,8 +416,13 @@ def test_the_job_a_runner_took_is_recorded_once() -> None:
             "workflowRunId": 5,
             "repository": "octo/app",
             "startedAt": "2026-03-01T11:59:57Z",
-        }
+        },
+        "timings": {
+            "jobQueuedAt": "2026-03-01T11:59:50Z",
+            "jobStartedAt": "2026-03-01T11:59:57Z",
+        },
     }
+    assert patch.observe == (("jobPickup", 7.0),) and job.wait_seconds == 7.0
     assert [p for p in decide(apply(w, decide(w))).sync if "job" in p.status] == []
 
 

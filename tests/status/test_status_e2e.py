@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from impvm.api.models import POOL_LABEL
 from impvm.api.resources import ImpVMClassResource, ImpVMTemplateResource
 from impvm.devstack.stack import NAMESPACE, POOL, Stack, StackConfig, wait_for
 
@@ -120,6 +121,11 @@ async def test_status_shows_pools_vms_agents_and_unschedulable(stack: Stack) -> 
     doc = json.loads(proc.stdout)
     pools = {p["name"]: p for p in doc["pools"]}
     assert pools[POOL]["idle"] == 1 and pools[POOL]["busy"] == 0
+    # the idle VM's timings, and the pool's registration time of the last hour
+    (idle,) = [v for v in await stack.vms() if v["metadata"]["labels"].get(POOL_LABEL) == POOL]
+    timings = idle["status"]["timings"]
+    assert {"createdAt", "scheduledAt", "bootedAt", "runnerOnlineAt"} <= set(timings)
+    assert pools[POOL]["timings"]["runnerRegistration"]["count"] >= 1
     (agent,) = doc["agents"]
     assert agent["node"] == "node-1" and agent["vcpu"] == 16 and agent["live"] is True
     assert agent["runtime"] == "process"

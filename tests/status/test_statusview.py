@@ -75,6 +75,7 @@ def test_summary_and_table() -> None:
         "pendingJobs": 0,
         "total": 3,
         "rateLimit": {"limit": 5000, "remaining": 4990, "resetAt": "2026-12-01T13:00:00Z"},
+        "timings": {"jobPickup": {"count": 4, "p50Seconds": 2.5, "p95Seconds": 11.0}},
         "conditions": [
             {"type": "Ready", "status": "True", "reason": "Reconciled", "message": "ok"},
             {
@@ -143,6 +144,7 @@ def test_summary_and_table() -> None:
     assert "waiting for status" in out  # the pool the operator has not written yet
     assert "2/8" in out and "2048/16384" in out and "kvm" in out and "5.0s ago" in out
     assert "4990/5000" in out and "(x3)" in out
+    assert "2.5s / 11s (n=4)" in out  # job pickup p50 / p95 of the last hour
     assert "Error" in out and "qemu exited 1" in out and "impvm logs -n ci d" in out
 
 

@@ -570,6 +570,10 @@ class Agent:
         )
         self._written(got.to_dict())
         old = vm.phase
+        started = vm.vm.status.started_at if vm.vm.status else None
+        if status.get("phase") == "Running" and old != "Running" and started is not None:
+            booted = (dt.datetime.now(dt.UTC) - started).total_seconds()
+            metrics.VM_BOOT.labels(self.config.node_name).observe(max(0.0, booted))
         record_phase(self.config.node_name, str(old) if old else None, status.get("phase"))
 
     async def _read_jitconfig(self, vm: lc.VMRecord) -> Secret | None:

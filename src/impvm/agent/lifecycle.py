@@ -367,7 +367,11 @@ def _unbound(obs: VMObservation, vm: VMRecord) -> AgentAction:
         return AgentAction(Why.PREFLIGHT_FAILED, forget=True)
     if not fits(obs.capacity, obs.used, obs.size):
         return AgentAction(Why.NO_CAPACITY, forget=True)
-    status: dict[str, Any] = {"phase": VMPhase.SCHEDULED, "nodeName": obs.node}
+    status: dict[str, Any] = {
+        "phase": VMPhase.SCHEDULED,
+        "nodeName": obs.node,
+        "timings": {"scheduledAt": k8s_time(obs.now)},
+    }
     status.update(_class_found(obs, vm))
     steps: tuple[Step, ...] = (
         Claim(obs.size),
@@ -435,7 +439,11 @@ def _boot(obs: VMObservation, vm: VMRecord) -> AgentAction:
     steps: list[Step] = []
     report: dict[str, Any] = _class_found(obs, vm)
     if vm.phase != VMPhase.SCHEDULED:
-        report |= {"phase": VMPhase.SCHEDULED, "nodeName": obs.node}
+        report |= {
+            "phase": VMPhase.SCHEDULED,
+            "nodeName": obs.node,
+            "timings": {"scheduledAt": k8s_time(obs.now)},
+        }
     if report:
         steps.append(PatchStatus(report))
     local = obs.local
@@ -473,7 +481,8 @@ def _started(obs: VMObservation, vm: VMRecord) -> AgentAction:
     tick = obs.policy.tick_seconds
     if rt.status == "running":
         if vm.phase != VMPhase.RUNNING:
-            return AgentAction(Why.REPORT_RUNNING, (PatchStatus({"phase": VMPhase.RUNNING}),), tick)
+            booted = {"phase": VMPhase.RUNNING, "timings": {"bootedAt": k8s_time(obs.now)}}
+            return AgentAction(Why.REPORT_RUNNING, (PatchStatus(booted),), tick)
         return AgentAction(Why.RUNNING, recheck_seconds=tick)
     if started and running_for >= obs.policy.start_timeout_seconds:
         return _fail(obs, Why.START_TIMEOUT, "StartTimeout", rt.log_tail, stop=True)
@@ -489,6 +498,7 @@ def _finish(obs: VMObservation, rt: RuntimeState) -> AgentAction:
         "exitCode": code,
         "exitReason": "Completed" if code == 0 else "Error",
         "finishedAt": k8s_time(rt.finished_at or obs.now),
+        "timings": {"finishedAt": k8s_time(rt.finished_at or obs.now)},
     }
     if code == 0:
         steps: tuple[Step, ...] = (PatchStatus(status), Emit("Succeeded", "runner exited 0"))
@@ -553,6 +563,7 @@ def _fail(
         "phase": VMPhase.FAILED,
         "exitReason": reason,
         "finishedAt": k8s_time(obs.now),
+        "timings": {"finishedAt": k8s_time(obs.now)},
         "message": message[-MESSAGE_CHARS:],
     }
     keep, extra = _keep_console(obs, obs.runtime.log_tail)

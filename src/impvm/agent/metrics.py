@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Gauge
+from prometheus_client import Gauge, Histogram
 
 from impvm.agent.capacity import Resources
 
@@ -16,6 +16,12 @@ CAPACITY_USED = Gauge(
     "impvm_agent_capacity_used",
     "What the VMs bound to this agent hold (resource: vcpu, memory_mib).",
     ["node", "resource"],
+)
+VM_BOOT = Histogram(
+    "impvm_vm_boot_seconds",
+    "From the agent starting a VM to its runner process running (kernel, init, runner start).",
+    ["node"],
+    buckets=(0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120, 300),
 )
 VMS = Gauge("impvm_agent_vms", "VMs this agent holds state for.", ["node"])
 

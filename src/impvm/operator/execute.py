@@ -91,24 +91,27 @@ class PlanExecutor:
             await self.event(reg.done)
         outcome = await self._provision(plan)
         for s in plan.sync:
-            await self._tolerate(self._patch_status(s.name, s.status), None)
+            if await self._tolerate(self._patch_status(s.name, s.status), None):
+                for kind, seconds in s.observe:
+                    metrics.OBSERVED[kind].labels(*self.key).observe(seconds)
         return outcome
 
     @property
     def key(self) -> PoolKey:
         return self.world.pool.key
 
-    async def _tolerate(self, write: Awaitable[Any], event: EventSpec | None) -> None:
+    async def _tolerate(self, write: Awaitable[Any], event: EventSpec | None) -> bool:
         """Await a VM write; a VM gone (404) or changed meanwhile (409) is left to the next
-        pass. ``event`` is recorded once the write succeeded."""
+        pass (False). ``event`` is recorded once the write succeeded."""
         try:
             await write
         except ApiError as e:
             if e.status.code not in (404, 409):
                 raise
-            return
+            return False
         if event is not None:
             await self.event(event)
+        return True
 
     async def _delete(self, d: DeleteVM) -> None:
         """Delete a VM; deregister its runner first when asked (a busy runner keeps its VM).
@@ -127,7 +130,12 @@ class PlanExecutor:
                 return
         elif d.deregister_first and d.runner_id is not None:
             return
-        await self._tolerate(self.ctx.kube.delete(ImpVMResource, d.name, namespace=self.ns), d.done)
+        deleted = self.ctx.kube.delete(ImpVMResource, d.name, namespace=self.ns)
+        if await self._tolerate(deleted, d.done):
+            created = {v.name: v.created_at for v in self.world.vms}.get(d.name)
+            if created is not None:
+                lived = max(0.0, (self.world.now - created).total_seconds())
+                metrics.VM_LIFETIME.labels(*self.key).observe(lived)
 
     async def _provision(self, plan: PoolPlan) -> Outcome:
         """Mint the missing JIT configs, then create VMs, each minted at once; the first

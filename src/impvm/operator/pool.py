@@ -24,6 +24,7 @@ from impvm.operator.credentials import scope_of
 from impvm.operator.demand import poll_jobs
 from impvm.operator.execute import PlanExecutor, failure_of
 from impvm.operator.metrics import POLL_CALLS, record_pool
+from impvm.scaling import timings
 from impvm.scaling.jobtable import Job, PoolScope
 from impvm.scaling.labels import PoolLabels
 from impvm.scaling.names import runner_prefix, secret_name
@@ -110,6 +111,7 @@ class PoolReconciler:
         # Leases matter for VMs on nodes (lost nodes) and VMs no node took (Unschedulable)
         needs = any(v.spec.node_name for v in vms) or waiting_for_a_node(replace(world, vms=vms))
         leases = await src.leases() if needs else ()
+        mem.timings = timings.observe(mem.timings, vms, world.now)
         pending, running = self._jobs(pool, vms)
         return replace(
             world,
@@ -118,6 +120,7 @@ class PoolReconciler:
             vms=vms,
             secrets=await src.secret_names(pool),
             leases=leases,
+            timings=timings.summary(mem.timings),
             github=view,
             pending_jobs=pending,
             running_jobs=running,

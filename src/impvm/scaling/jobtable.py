@@ -67,6 +67,15 @@ class Job:
     def queued(self) -> bool:
         return _RANK.get(self.status, 0) == 0
 
+    @property
+    def wait_seconds(self) -> float | None:
+        """Seconds from queued (when impvm first saw it) to in progress (GitHub's
+        ``started_at``); None until it started. Never negative: a job first seen already in
+        progress waited 0 as far as impvm knows."""
+        if self.started_at is None:
+            return None
+        return max(0.0, (self.started_at - self.seen_at).total_seconds())
+
 
 def route(job: Job, pools: Sequence[PoolScope]) -> PoolLabels | None:
     """The pool ``job`` belongs to (None: no pool matches; counted as unmatched)."""

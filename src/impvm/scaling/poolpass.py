@@ -132,11 +132,14 @@ class FinalizerRelease:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VMStatusPatch:
-    """Merge ``status`` into ImpVM ``name``'s status; ``event`` follows success."""
+    """Merge ``status`` into ImpVM ``name``'s status; ``event`` follows success, and so do the
+    ``observe`` histogram observations (``(kind, seconds)``: ``jobPickup``,
+    ``runnerRegistration``)."""
 
     name: str
     status: Mapping[str, Any]
     event: EventSpec | None = None
+    observe: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -475,7 +478,17 @@ def _sync(world: PoolWorld, skip: set[str], minted: set[str]) -> tuple[VMStatusP
         if reg is not None:
             if have != (reg.id, reg.name, reg.online, reg.busy):
                 want = {"id": reg.id, "name": reg.name, "online": reg.online, "busy": reg.busy}
-                out.append(VMStatusPatch(name=vm.name, status={"runner": want}))
+                patch: dict[str, Any] = {"runner": want}
+                seen: tuple[tuple[str, float], ...] = ()
+                timings = vm.status.timings
+                if (reg.online or reg.busy) and (timings is None or not timings.runner_online_at):
+                    patch["timings"] = {
+                        "createdAt": k8s_time(vm.created_at),
+                        "runnerOnlineAt": k8s_time(world.now),
+                    }
+                    took = max(0.0, (world.now - vm.created_at).total_seconds())
+                    seen = (("runnerRegistration", took),)
+                out.append(VMStatusPatch(name=vm.name, status=patch, observe=seen))
         elif cur is not None and cur.id is not None and (cur.online or cur.busy):
             gone = {"online": False, "busy": False}  # the registration vanished
             out.append(VMStatusPatch(name=vm.name, status={"runner": gone}))
@@ -491,9 +504,17 @@ def _sync(world: PoolWorld, skip: set[str], minted: set[str]) -> tuple[VMStatusP
             "workflowRunId": job.run_id,
             "repository": job.repository,
         }
+        patch = {"job": record}
+        seen = ()
         if job.started_at:
             record["startedAt"] = k8s_time(job.started_at)
-        out.append(VMStatusPatch(name=name, status={"job": record}))
+            patch["timings"] = {
+                "jobQueuedAt": k8s_time(min(job.seen_at, job.started_at)),
+                "jobStartedAt": k8s_time(job.started_at),
+            }
+            if job.wait_seconds is not None:
+                seen = (("jobPickup", job.wait_seconds),)
+        out.append(VMStatusPatch(name=name, status=patch, observe=seen))
     return tuple(out)
 
 
@@ -732,6 +753,11 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
         events.append(
             EventSpec("ScaledUp", f"created {created} VM(s): {sizing.create_reason}"[:1000])
         )
+    if world.timings is not None:
+        # a merge patch keeps what it does not name: a kind gone from the window is nulled
+        stored_timings = world.pool.stored_status.get("timings") or {}
+        timings: dict[str, Any] = {k: None for k in stored_timings if k not in world.timings}
+        status["timings"] = timings | dict(world.timings)
     if g.budget is not None:
         b = g.budget
         reset_at = k8s_time(dt.datetime.fromtimestamp(b.reset, dt.UTC))
@@ -813,7 +839,12 @@ def _settlement(
     stored_conds = list(stored.get("conditions") or [])
     write = (
         # lastPoll and rateLimit change every pass: written along with a real change
-        any(stored.get(k) != v for k, v in status.items() if k not in ("lastPoll", "rateLimit"))
+        any(
+            stored.get(k) != v
+            for k, v in status.items()
+            if k not in ("lastPoll", "rateLimit", "timings")
+        )
+        or (status.get("timings") is not None and status["timings"] != stored.get("timings"))
         or conds.merged_into(stored_conds) != stored_conds
         or "lastPoll" in status
     )

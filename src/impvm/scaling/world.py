@@ -340,6 +340,8 @@ class PoolWorld:
     running_jobs: Mapping[str, Job] = field(default_factory=dict)
     polled: PollOutcome | None = None
     webhook_secret_missing: str | None = None
+    #: the pool's ``status.timings`` to publish (:func:`impvm.scaling.timings.summary`)
+    timings: Mapping[str, Any] | None = None
 
     def after_poll(
         self, outcome: PollOutcome, pending_jobs: int, running_jobs: Mapping[str, Job]
