@@ -299,6 +299,51 @@ def logs(
     sys.stdout.flush()
 
 
+@app.command()
+def doctor(
+    runtime: Annotated[str, typer.Option(help="VM runtime to check: qemu or process.")] = "qemu",
+    workdir: Annotated[Path, typer.Option(help="The agent's state directory.")] = Path(
+        "/var/lib/impvm"
+    ),
+    qemu_kernel: Annotated[
+        Path | None, typer.Option(help="qemu runtime: guest kernel (default: newest usable).")
+    ] = None,
+    guest_network: Annotated[
+        str, typer.Option(help="isolated (checks nftables) or host.")
+    ] = "isolated",
+    probe: Annotated[
+        bool, typer.Option(help="qemu runtime: boot a probe guest (KVM, else TCG).")
+    ] = True,
+    output: Annotated[str, typer.Option("--output", "-o", help="text or json.")] = "text",
+) -> None:
+    """Check that this host can run VMs (the agent runs the same checks at start): tools and
+    their versions, the guest kernel, /dev/kvm with a probe boot, free disk, namespaces, and
+    nftables. One line per check; a failed one says what to install or fix. Exit 1 when a
+    required check failed."""
+    import asyncio
+    import json
+
+    from impvm.agent import doctor as dr
+
+    if runtime not in ("qemu", "process"):
+        typer.echo(f"impvm doctor: --runtime {runtime!r}: want qemu or process", err=True)
+        raise typer.Exit(code=2)
+    checks = asyncio.run(
+        dr.run_checks(
+            runtime, workdir, qemu_kernel=qemu_kernel, guest_network=guest_network, probe=probe
+        )
+    )
+    if output == "json":
+        typer.echo(json.dumps(dr.as_dicts(checks), indent=2))
+    else:
+        for line in dr.lines(checks):
+            typer.echo(line)
+    verdict = dr.verdict(checks)
+    if output != "json":
+        typer.echo("ready: this host can run VMs" if verdict.ok else "not ready")
+    raise typer.Exit(code=0 if verdict.ok else 1)
+
+
 @dev_app.command("up")
 def dev_up(
     runtime: Annotated[str, typer.Option(help="VM runtime: process or qemu.")] = "process",

@@ -27,6 +27,7 @@ from lightkube.resources.core_v1 import Event, Secret
 from impvm.agent.agent import Agent, AgentConfig
 from impvm.agent.capacity import Resources
 from impvm.agent.images import ImageStore
+from impvm.agent.lifecycle import Preflight
 from impvm.agent.process import ProcessRuntime
 from impvm.api.models import API_VERSION, JIT_SECRET_KEY
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
@@ -92,7 +93,9 @@ class Env:
         return {o.metadata.name: o.to_dict() async for o in listed}
 
     @contextlib.asynccontextmanager
-    async def agent(self, tick: float = 0.2) -> AsyncIterator[Agent]:
+    async def agent(
+        self, tick: float = 0.2, preflight: Preflight | None = None
+    ) -> AsyncIterator[Agent]:
         """An agent with the process runtime, running for the block."""
         store = ImageStore(self.tmp_path / "cache", 1 << 30, {self.images.registry})
         agent = Agent(
@@ -106,6 +109,7 @@ class Env:
                 tick_seconds=tick,
                 stop_grace_seconds=2.0,
             ),
+            preflight,
         )
         task = asyncio.create_task(agent.run())
         try:
@@ -316,3 +320,26 @@ async def test_a_failed_vm_keeps_its_console_for_impvm_logs(
     await asyncio.to_thread(kept.unlink)
     out = await asyncio.to_thread(impvm_logs)
     assert out.returncode == 1 and f"on node {node} at {path}" in out.stderr.decode()
+
+
+async def test_an_agent_that_failed_its_preflight_claims_nothing_and_says_why(env: Env) -> None:
+    from lightkube.resources.coordination_v1 import Lease
+
+    env.create_class()
+    failed = Preflight(ok=False, reason="bwrap: not found on PATH (apt-get install bubblewrap)")
+    async with env.agent(preflight=failed) as agent:
+        env.create_vm("waiting", env.images.sleep)
+        name = "impvm-agent-" + agent.config.node_name
+
+        async def advertised() -> bool:
+            try:
+                lease = await env.akube.get(Lease, name, namespace=env.namespace)
+            except Exception:
+                return False
+            ann = (lease.metadata.annotations or {}) if lease.metadata else {}
+            return ann.get("imp.dev/preflight", "").startswith("failed: bwrap")
+
+        await until("the Lease says the preflight failed", advertised)
+        await asyncio.sleep(2)  # ticks pass: still not claimed
+        vm = (await env.vms())["waiting"]
+        assert not vm["spec"].get("nodeName") and not (vm.get("status") or {}).get("phase")

@@ -129,6 +129,7 @@ async def test_status_shows_pools_vms_agents_and_unschedulable(stack: Stack) -> 
     (agent,) = doc["agents"]
     assert agent["node"] == "node-1" and agent["vcpu"] == 16 and agent["live"] is True
     assert agent["runtime"] == "process"
+    assert agent["preflight"] == "ok"  # the agent ran the host preflight at start
     assert [v["pool"] for v in doc["vms"]["waitingForNode"]] == [BIG_POOL]
     (limit,) = doc["rateLimits"]
     assert limit["remaining"] > 0 and sorted(limit["pools"]) == sorted([POOL, BIG_POOL])

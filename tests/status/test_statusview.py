@@ -56,6 +56,7 @@ LEASE = {
             "imp.dev/memory-mib-used": "2048",
             "imp.dev/runtime": "qemu",
             "imp.dev/accelerator": "kvm",
+            "imp.dev/preflight": "failed: umoci: not found on PATH (apt-get install umoci)",
         },
     },
     "spec": {
@@ -143,6 +144,7 @@ def test_summary_and_table() -> None:
     assert "Ready=True Reconciled" in out and "RateLimited" not in out
     assert "waiting for status" in out  # the pool the operator has not written yet
     assert "2/8" in out and "2048/16384" in out and "kvm" in out and "5.0s ago" in out
+    assert "failed: umoci: not found on PATH" in out
     assert "4990/5000" in out and "(x3)" in out
     assert "2.5s / 11s (n=4)" in out  # job pickup p50 / p95 of the last hour
     assert "Error" in out and "qemu exited 1" in out and "impvm logs -n ci d" in out

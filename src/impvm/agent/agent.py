@@ -50,6 +50,7 @@ from lightkube.types import PatchType
 from impvm.agent import lifecycle as lc
 from impvm.agent import metrics
 from impvm.agent.capacity import ZERO, Resources, total
+from impvm.agent.doctor import lease_value
 from impvm.agent.network.policy import EgressLayer, egress_layers
 from impvm.agent.runtime import (
     ImageError,
@@ -246,6 +247,7 @@ class Agent:
             "imp.dev/runtime": self.runtime.name,
             "imp.dev/accelerator": c.accelerator,
             "imp.dev/workdir": str(c.workdir),
+            "imp.dev/preflight": lease_value(self.preflight),
         }
         body = Lease(
             metadata=ObjectMeta(

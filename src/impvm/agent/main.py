@@ -12,9 +12,12 @@ from pathlib import Path
 from lightkube import AsyncClient
 
 from impvm import metrics_http
+from impvm.agent import doctor
 from impvm.agent.agent import Agent, AgentConfig
 from impvm.agent.capacity import Resources
+from impvm.agent.doctor import Check
 from impvm.agent.images import ImageStore
+from impvm.agent.lifecycle import Preflight
 from impvm.agent.network.node import NetworkError, NodeNetwork, host_resolvers
 from impvm.agent.network.ruleset import NetConfig
 from impvm.agent.process import ProcessRuntime
@@ -118,6 +121,7 @@ async def run(
     runtime: Runtime,
     network: NodeNetwork | None = None,
     metrics_address: tuple[str, int] | None = None,
+    preflight: Preflight | None = None,
 ) -> None:
     """Run the agent until cancelled (credentials from KUBECONFIG or the ServiceAccount); first
     rebuild the node's guest networks from what is running. ``metrics_address``: where
@@ -130,7 +134,7 @@ async def run(
         log.info("metrics on %s:%d", *metrics_address)
     kube = AsyncClient(field_manager="impvm-agent")
     try:
-        await Agent(kube, runtime, config).run()
+        await Agent(kube, runtime, config, preflight).run()
     finally:
         await kube.close()
         if server is not None:
@@ -172,16 +176,39 @@ def main(
     except ValueError as exc:  # a bad option: one line naming it, exit 2
         print(f"impvm agent: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    runtime = make_runtime(
-        runtime_name,
-        workdir,
-        image_cache_mib * 1024 * 1024,
-        set(insecure_registries),
-        ro_binds,
-        qemu_kernel,
-        qemu_accelerator,
-        network,
+    # the host preflight (impvm doctor): the qemu runtime probes its accelerator itself
+    checks = asyncio.run(
+        doctor.run_checks(
+            runtime_name,
+            workdir,
+            qemu_kernel=qemu_kernel,
+            guest_network=guest_network,
+            probe=False,
+        )
     )
+    for line in doctor.lines(checks):
+        log.info("preflight: %s", line)
+    try:
+        runtime: Runtime = make_runtime(
+            runtime_name,
+            workdir,
+            image_cache_mib * 1024 * 1024,
+            set(insecure_registries),
+            ro_binds,
+            qemu_kernel,
+            qemu_accelerator,
+            network,
+        )
+    except ValueError as exc:
+        if runtime_name not in ("qemu", "process"):
+            raise
+        # the runtime cannot work here: run anyway, claim nothing, say why on the Lease
+        checks.append(Check(f"runtime {runtime_name}", False, str(exc), "see the checks above"))
+        store = ImageStore(workdir / "images", image_cache_mib * 1024 * 1024, set())
+        runtime = ProcessRuntime(store)
+    preflight = doctor.verdict(checks)
+    if not preflight.ok:
+        log.error("preflight failed, this agent claims no VMs: %s", preflight.reason)
     config = AgentConfig(
         node_name=node_name,
         capacity=Resources(vcpu, memory_mib),
@@ -190,6 +217,6 @@ def main(
         accelerator=str(runtime.accel) if isinstance(runtime, QemuRuntime) else "none",
     )
     try:
-        asyncio.run(run(config, runtime, network, metrics_at))
+        asyncio.run(run(config, runtime, network, metrics_at, preflight))
     except NetworkError as exc:  # the node cannot isolate its VMs: do not run any
         raise SystemExit(f"impvm agent: guest networks: {exc}") from None
