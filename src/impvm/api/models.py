@@ -48,7 +48,7 @@ JIT_SECRET_KEY = "jitconfig"
 #: Key of the webhook secret in the Secret named by ``scaling.webhook.secretRef``.
 WEBHOOK_SECRET_KEY = "webhook_secret"
 
-#: ``name@sha256:<64 hex>``: an OCI reference pinned by digest (seed 003: pull by digest).
+#: ``name@sha256:<64 hex>``: an OCI reference pinned by digest (immutable: pulled by digest).
 DIGEST_REF_PATTERN = r"^[^@[:space:]]+@sha256:[0-9a-f]{64}$"
 #: GitHub's ``owner/name`` repository form.
 REPO_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/[A-Za-z0-9._-]{1,100}$"
@@ -242,7 +242,7 @@ class NetworkSpec(ApiModel):
 
 
 class ImpVMClassSpec(ApiModel):
-    """Size of a VM: vCPUs, memory (MiB) and disk (GiB). Seed 001."""
+    """Size of a VM: vCPUs, memory (MiB) and disk (GiB)."""
 
     vcpu: int = Field(ge=1, le=256, description="Number of virtual CPUs.")
     memory_mib: int = Field(
@@ -274,7 +274,7 @@ class ImpVMClass(ApiModel):
 
 
 class ImpVMTemplateSpec(ApiModel):
-    """Base image and class of a runner VM. Seed 001 (runner image contract)."""
+    """Base image and class of a runner VM (docs/images.md, runner image contract)."""
 
     cel_rules: ClassVar[list[dict[str, Any]]] = [
         _digest_rule("image"),
@@ -304,7 +304,7 @@ class ImpVMTemplateSpec(ApiModel):
     allow_unpinned_images: bool | None = Field(
         default=None,
         description="Opt out of digest pinning for image and runnerLayer (not for production: "
-        "seed 003 pulls by digest, never by tag).",
+        "a tag can change under a running pool; a digest cannot).",
     )
 
 
@@ -324,7 +324,7 @@ class ImpVMTemplate(ApiModel):
 
 
 class PlatformScope(ApiModel):
-    """Where runners register: one organisation or one repository (exactly one). Seed 000."""
+    """Where runners register: one organisation or one repository (exactly one)."""
 
     cel_rules: ClassVar[list[dict[str, Any]]] = [
         cel(
@@ -354,7 +354,7 @@ class PlatformScope(ApiModel):
 
 
 class Platform(ApiModel):
-    """The CI platform runners connect to. Seed 000 (the starting configuration)."""
+    """The CI platform runners connect to."""
 
     cel_rules: ClassVar[list[dict[str, Any]]] = [
         cel(
@@ -566,7 +566,7 @@ class WarmPoolSpec(ApiModel):
 
 
 class ScalingSpec(ApiModel):
-    """Lower and upper capacity limits and how demand is observed. Seed 000 step 1."""
+    """Lower and upper capacity limits and how demand is observed."""
 
     cel_rules: ClassVar[list[dict[str, Any]]] = [
         cel(
@@ -641,7 +641,7 @@ class ScalingSpec(ApiModel):
 
 
 class ReaperSpec(ApiModel):
-    """Removal of runners that outlive their job. Seed 004."""
+    """Removal of runners that outlive their job (like ARC's optional reaper)."""
 
     enabled: bool = Field(default=False, description="Run the reaper for this pool.")
     max_job_seconds: int = Field(
@@ -663,7 +663,7 @@ class ReaperSpec(ApiModel):
 
 
 class ImpVMRunnerPoolSpec(ApiModel):
-    """What runner to keep and how many. Seeds 000 and 001."""
+    """What runner to keep and how many."""
 
     cel_rules: ClassVar[list[dict[str, Any]]] = [
         cel(
@@ -895,7 +895,7 @@ class JobStatus(ApiModel):
 
 
 class ImpVMSpec(ApiModel):
-    """One VM. Created by a pool from its template (seed 000 step 2)."""
+    """One VM. Created by a pool from its template."""
 
     cel_rules: ClassVar[list[dict[str, Any]]] = [
         _digest_rule("image"),
