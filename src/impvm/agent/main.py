@@ -130,7 +130,13 @@ async def run(
         await network.start()
     server = None
     if metrics_address is not None:
-        server = await metrics_http.start(metrics_http.make_app(), *metrics_address)
+        try:
+            server = await metrics_http.start(metrics_http.make_app(), *metrics_address)
+        except OSError as exc:  # one line, like a bad option
+            host, port = metrics_address
+            raise SystemExit(
+                f"impvm agent: --metrics-address {host}:{port}: {exc.strerror}"
+            ) from None
         log.info("metrics on %s:%d", *metrics_address)
     kube = AsyncClient(field_manager="impvm-agent")
     try:
