@@ -55,3 +55,34 @@ def test_never_longer_than_the_bound_plus_the_marker(data: bytes, limit: int) ->
         src.write_bytes(data)
         keep_console(src, dest, SECRET, limit=limit, head=limit // 4)
         assert len(dest.read_bytes()) <= limit + 40
+
+
+def test_a_running_console_is_compacted_in_place_and_writers_keep_appending(
+    tmp_path: Path,
+) -> None:
+    """A real writer (a shell appending, as bwrap's stdout and QEMU's append=on do) keeps
+    writing after the file was compacted under it: its later lines follow the kept text."""
+    import os
+    import subprocess
+
+    from impvm.agent.runtime_base import compact_console
+
+    path = tmp_path / "console.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    script = (
+        'i=0; while [ $i -lt 5000 ]; do echo "early line $i ........................"; '
+        "i=$((i+1)); done"
+    )
+    subprocess.run(["sh", "-c", script], stdout=fd, check=True)
+    before = path.stat().st_size
+    assert before > 128 * 1024
+    assert compact_console(path, limit=128 * 1024, tail=16 * 1024)
+    # the first 64 KiB (the boot), a marker, the last 16 KiB
+    assert path.stat().st_size <= 80 * 1024 + 100
+    assert not compact_console(path, limit=128 * 1024, tail=16 * 1024)  # already small
+    subprocess.run(["sh", "-c", "echo late line"], stdout=fd, check=True)
+    os.close(fd)
+    data = path.read_bytes()
+    assert data.startswith(b"early line 0 ") and b"bytes cut ...]\n" in data
+    assert data.endswith(b"early line 4999 ........................\nlate line\n")
+    assert b"\0" not in data  # appended at the end, not at the writer's old offset

@@ -47,6 +47,38 @@ KEPT_HEAD_BYTES = 64 * 1024
 KEPT_FILES = 100
 
 
+#: A running VM's console is compacted to its first :data:`KEPT_HEAD_BYTES` and last
+#: :data:`LIVE_TAIL_BYTES` once it passes :data:`LIVE_MAX_BYTES` (a chatty job cannot fill the
+#: node's disk). Writers append (``O_APPEND``: bwrap's stdout, QEMU's ``append=on``), so their
+#: next write lands after the compacted text.
+LIVE_MAX_BYTES = 8 * 1024 * 1024
+LIVE_TAIL_BYTES = 2 * 1024 * 1024
+
+
+def compact_console(path: Path, limit: int = LIVE_MAX_BYTES, tail: int = LIVE_TAIL_BYTES) -> bool:
+    """Shrink console ``path`` in place to its head and last ``tail`` bytes (cut at lines, a
+    marker between) when it is over ``limit`` bytes (blocking). Bytes written while it runs may
+    be lost; the marker says how much was cut. True when it compacted."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    with os.fdopen(fd, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size <= limit:
+            return False
+        first = f.read(KEPT_HEAD_BYTES)
+        first = first[: first.rfind(b"\n") + 1] or first
+        f.seek(size - tail)
+        last = f.read()
+        last = last[last.find(b"\n") + 1 :] or last
+        cut = size - len(first) - len(last)
+        f.seek(0)
+        f.truncate(0)
+        f.write(first + f"[... {cut} bytes cut ...]\n".encode() + last)
+    return True
+
+
 def keep_console(
     source: Path,
     dest: Path,
@@ -227,7 +259,12 @@ class RuntimeBase(Generic[VM]):
 
     def _tail(self, vm: VM) -> str:
         """The last ``tail_lines`` console lines (blocking), the JIT config replaced by ``***``
-        (defence in depth: the wrapper never prints it, but a guest program might)."""
+        (defence in depth: the wrapper never prints it, but a guest program might); the console
+        is first kept within :data:`LIVE_MAX_BYTES` (:func:`compact_console`)."""
+        try:
+            compact_console(vm.workdir / CONSOLE_LOG)
+        except OSError:
+            pass
         try:
             with (vm.workdir / CONSOLE_LOG).open("rb") as f:
                 f.seek(0, os.SEEK_END)
