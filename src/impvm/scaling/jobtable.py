@@ -17,7 +17,8 @@ Rules:
 - every job first recorded queued is an arrival (:class:`Arrival`, numbered in the order
   recorded), what the warm pool's arrival rate counts (:mod:`impvm.scaling.warmpool`); a job
   first seen already in progress (taken before we saw it, or open across an operator restart)
-  is none, so a restart does not count the running jobs again.
+  is none, so a restart does not count the running jobs again (the ones still queued it does:
+  the table is rebuilt from a poll).
 """
 
 from __future__ import annotations
