@@ -24,6 +24,7 @@ from lightkube.resources.core_v1 import Event, Secret
 from impvm.agent.agent import Agent, AgentConfig
 from impvm.agent.capacity import Resources
 from impvm.agent.images import ImageStore
+from impvm.agent.jitsource import SecretJitSource
 from impvm.agent.process import ProcessRuntime
 from impvm.api.models import API_VERSION, JIT_SECRET_KEY
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
@@ -103,6 +104,7 @@ class Env:
                 tick_seconds=tick,
                 stop_grace_seconds=2.0,
             ),
+            jit=SecretJitSource(self.akube),  # the admin client may read the Secret
         )
         task = asyncio.create_task(agent.run())
         try:

@@ -691,3 +691,18 @@ async def test_scale_down_keeps_a_runner_that_becomes_busy_meanwhile(
     assert len(env.requests("DELETE", RUNNER_PATH)) == 1
     assert {v["metadata"]["uid"] for v in vms} < {v["metadata"]["uid"] for v in await env.vms()}
     await env.assert_no_secrets(caplog)
+
+
+async def test_a_replica_that_lost_the_lead_acts_on_nothing(env: PoolEnv) -> None:
+    """Fencing: while ``ctx.leading`` is False a pass creates, mints and deletes nothing; once
+    leading again the same pass does its work."""
+    await env.ready_pool()
+    leading = {"now": False}
+    env.ctx.leading = lambda: leading["now"]
+    await env.run_pass()
+    assert await env.vms() == []
+    assert env.requests("POST", JIT_PATH) == []
+    leading["now"] = True
+    await env.run_pass()
+    await one_vm_with_secret(env)
+    assert len(env.requests("POST", JIT_PATH)) == 1

@@ -14,6 +14,7 @@ from lightkube import AsyncClient
 from impvm.agent.agent import Agent, AgentConfig
 from impvm.agent.capacity import Resources
 from impvm.agent.images import ImageStore
+from impvm.agent.jitsource import JitSource, OperatorJitSource
 from impvm.agent.network.node import NetworkError, NodeNetwork, host_resolvers
 from impvm.agent.network.ruleset import NetConfig
 from impvm.agent.process import ProcessRuntime
@@ -46,13 +47,15 @@ def make_runtime(
     qemu_kernel: Path | None = None,
     qemu_accelerator: str = "auto",
     network: NodeNetwork | None = None,
+    cosign: str = "cosign",
 ) -> Runtime:
     """The runtime called ``name``: ``process`` (bubblewrap) or ``qemu`` (a VM per job; finds the
     kernel, builds the guest initramfs and probes the accelerator with real boots, which takes
     seconds). ``qemu_accelerator``: ``auto``, ``kvm`` or ``tcg``. Raises ``ValueError`` for an
     unknown or unavailable runtime (the message says why). ``network``: the node's guest networks
-    (``None``: no isolation, development only)."""
-    store = ImageStore(workdir / "images", image_cache_bytes, insecure_registries)
+    (``None``: no isolation, development only). ``cosign``: the binary verifying signed images
+    (run only for VMs whose spec has ``verify``)."""
+    store = ImageStore(workdir / "images", image_cache_bytes, insecure_registries, cosign)
     if name == "process":
         return ProcessRuntime(store, extra_ro_binds=ro_binds, network=network)
     if name == "qemu":
@@ -109,16 +112,23 @@ def make_network(
     return NodeNetwork(cfg, workdir / "network")
 
 
-async def run(config: AgentConfig, runtime: Runtime, network: NodeNetwork | None = None) -> None:
+async def run(
+    config: AgentConfig,
+    runtime: Runtime,
+    jit: JitSource,
+    network: NodeNetwork | None = None,
+) -> None:
     """Run the agent until cancelled (credentials from KUBECONFIG or the ServiceAccount); first
-    rebuild the node's guest networks from what is running."""
+    rebuild the node's guest networks from what is running. ``jit``: where JIT configs come
+    from."""
     if network is not None:
         await network.start()
     kube = AsyncClient(field_manager="impvm-agent")
     try:
-        await Agent(kube, runtime, config).run()
+        await Agent(kube, runtime, config, jit=jit).run()
     finally:
         await kube.close()
+        await jit.close()
 
 
 def main(
@@ -138,9 +148,15 @@ def main(
     guest_dns: list[str] | None = None,
     network_table: str = "impvm",
     network_prefix: str = "impvm",
+    cosign: str = "cosign",
+    operator_url: str | None = None,
+    token_file: Path = Path("/var/run/secrets/impvm/token"),
 ) -> None:
     """Blocking entry point of the CLI."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if not operator_url:
+        print("impvm agent: --operator-url is required (the JIT config hand-out)", file=sys.stderr)
+        raise SystemExit(2)
     workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
         network = make_network(
@@ -158,6 +174,7 @@ def main(
         qemu_kernel,
         qemu_accelerator,
         network,
+        cosign,
     )
     config = AgentConfig(
         node_name=node_name,
@@ -167,6 +184,6 @@ def main(
         accelerator=str(runtime.accel) if isinstance(runtime, QemuRuntime) else "none",
     )
     try:
-        asyncio.run(run(config, runtime, network))
+        asyncio.run(run(config, runtime, OperatorJitSource(operator_url, token_file), network))
     except NetworkError as exc:  # the node cannot isolate its VMs: do not run any
         raise SystemExit(f"impvm agent: guest networks: {exc}") from None

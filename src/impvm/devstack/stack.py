@@ -235,12 +235,14 @@ def dev_config(
     polling_interval_seconds: int | None = None,
     webhook_secret_file: Path | None = None,
     devnet: DevNetwork | None = None,
+    cosign: Path | None = None,
 ) -> dict[str, Any]:
     """The ``impvm.yaml`` of the development stack (see :mod:`impvm.up.config`): the stand-in
     as GitHub, the loopback registry, the process runtime's host binds, throwaway etcd data, and
-    (``images`` given) the minimal example as its class, template and pool, the pool
-    using ``scaling_mode`` (the example's polling by default). ``devnet``: VMs on isolated networks
-    that reach the stand-in there; without it VMs share the host's network."""
+    (``images`` given) the minimal example as its class, template and pool, the pool using
+    ``scaling_mode`` (the example's polling by default). ``devnet``: VMs on isolated networks
+    that reach the stand-in there; without it VMs share the host's network. ``cosign``: the
+    agent's cosign binary (None: on PATH)."""
     cfg: dict[str, Any] = {
         "dataDir": str(workdir),
         "github": {
@@ -259,6 +261,7 @@ def dev_config(
             "memoryMiB": agent_memory_mib,
             "insecureRegistries": [registry],
             "readOnlyBinds": [str(p) for p in host_python_binds()],
+            **({"cosign": str(cosign)} if cosign is not None else {}),
         },
         "kubernetes": {"apiPort": 0, "namespace": NAMESPACE, "etcdFsync": False},
     }
@@ -315,6 +318,9 @@ class StackConfig:
     webhook_drop_rate: float = 0.0
     #: start one agent (node-1); without it VMs are created but never run (benchmarks)
     start_agent: bool = True
+    #: cosign binary the agent verifies signed images with (None: ``cosign`` on PATH), e.g.
+    #: :func:`impvm.devstack.signing.cosign_binary`
+    cosign: Path | None = None
     #: guests on isolated networks, the stand-in in its own "internet" namespace
     #: (:class:`impvm.devstack.netns.DevNetwork`; needs root); None: when running as root
     isolated_network: bool | None = None
@@ -427,6 +433,7 @@ class Stack:
             polling_interval_seconds=self.config.polling_interval_seconds,
             webhook_secret_file=hook_file,
             devnet=self.devnet,
+            cosign=self.config.cosign,
         )
         self.config_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.service = Service(load_config(self.config_file), source=str(self.config_file))
@@ -487,10 +494,11 @@ class Stack:
         assert self.service is not None
         self.service.start_agent(node)
 
-    def start_operator(self) -> None:
-        """Start (or restart) the operator process."""
+    def start_operator(self, replica: int = 0, port: int | None = None) -> str:
+        """Start (or restart) an operator replica (``operator``, or ``operator-<replica>`` on
+        ``port``); returns its process name."""
         assert self.service is not None
-        self.service.start_operator()
+        return self.service.start_operator(replica, port)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Kill one process (``operator`` or ``agent-<node>``) and wait for it."""

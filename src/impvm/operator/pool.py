@@ -24,6 +24,7 @@ from impvm.operator.credentials import scope_of
 from impvm.operator.demand import poll_jobs
 from impvm.operator.execute import PlanExecutor, failure_of
 from impvm.operator.metrics import POLL_CALLS, record_pool
+from impvm.operator.verify import VerifyKeyError, secret_of, verify_key
 from impvm.scaling.jobtable import Job, PoolScope
 from impvm.scaling.labels import PoolLabels
 from impvm.scaling.names import runner_prefix, secret_name
@@ -84,10 +85,11 @@ class PoolReconciler:
         return done.requeue
 
     async def _observe(self, pool: PoolObj) -> tuple[PoolWorld, GitHubClient | None]:
-        """Read what the pass decides from: template and class first (without them nothing
-        else is read), then GitHub's registrations before the VMs (see
-        :mod:`impvm.scaling.pool`: no registration is then taken for an orphan), the pool's
-        Secrets, the agents' Leases (only when a VM is bound to a node) and the job table."""
+        """Read what the pass decides from: template and class first, and the signing key the
+        template requires (without them nothing else is read), then GitHub's registrations
+        before the VMs (see :mod:`impvm.scaling.pool`: no registration is then taken for an
+        orphan), the pool's Secrets, the agents' Leases (only when a VM is bound to a node) and
+        the job table."""
         ctx, mem, src = self.ctx, self.ctx.pool(pool.key), self.ctx.sources
         mem.template = pool.spec.template_name
         world = PoolWorld(
@@ -108,6 +110,13 @@ class PoolReconciler:
         c = await src.get(ImpVMClassResource, mem.vm_class, None)
         if c is None:
             return replace(world, template=template), None
+        try:
+            key_secret = secret_of(template.spec)
+            body = await src.get(Secret, key_secret, pool.namespace) if key_secret else None
+            verify = verify_key(pool.namespace, template.spec, body)
+        except VerifyKeyError as e:
+            problem = replace(world, template=template, vm_class=ClassObj.from_body(c))
+            return replace(problem, verify_key_problem=str(e)), None
         missing = await self._register(pool)
         github, view = await self._github(pool, world)
         vms = await src.vms(pool)
@@ -117,6 +126,7 @@ class PoolReconciler:
             world,
             template=template,
             vm_class=ClassObj.from_body(c),
+            verify_key=verify,
             vms=vms,
             secrets=await src.secret_names(pool),
             leases=leases,

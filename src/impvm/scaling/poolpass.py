@@ -21,7 +21,9 @@ Pure and deterministic: everything comes from the :class:`~impvm.scaling.world.P
 Failure boundaries (Kubernetes API conventions: conditions say what is wrong; GitHub REST docs,
 "Troubleshooting the REST API" and "Rate limits for the REST API" for the error classes):
 
-- template or class missing -> ``TemplateMissing`` True, ``Ready`` False, pass again in 30 s;
+- template or class missing, or the signing key a template requires unusable (``VerifyKeyMissing``:
+  no VM is made, it would boot unverified images) -> ``TemplateMissing`` True, ``Ready`` False,
+  pass again in 30 s;
 - credentials Secret missing or incomplete -> ``CredentialsInvalid`` (``CredentialsError``);
 - 401 -> ``CredentialsInvalid`` (``BadCredentials``); a permission not granted ->
   ``CredentialsInvalid`` (``PermissionNotGranted``);
@@ -304,13 +306,15 @@ def current_template_hash(world: PoolWorld) -> str | None:
         expire_after=spec.expire_after or t.spec.expire_after,
         allow_unpinned=bool(spec.allow_unpinned_images or t.spec.allow_unpinned_images),
         network=spec.network.wire() if spec.network is not None else None,
+        verify_key=world.verify_key.fingerprint if world.verify_key is not None else None,
     )
 
 
 def _new_vm(world: PoolWorld, digest: str) -> NewVM:
     """A VM from the template: ephemeral, labelled, class and image copied; runnerLayer and
     expireAfter from the pool, else the template; the pool's egress policy copied (the class's
-    applies too, see :mod:`impvm.agent.network`)."""
+    applies too, see :mod:`impvm.agent.network`); the template's signing key as
+    ``verify.publicKey`` (the agent verifies against the VM's own spec)."""
     assert world.template is not None
     t, pool = world.template.spec, world.pool.spec
     spec: dict[str, Any] = {"classRef": {"name": t.class_ref.name}, "image": t.image}
@@ -323,6 +327,8 @@ def _new_vm(world: PoolWorld, digest: str) -> NewVM:
         spec["expireAfter"] = expire
     if pool.network is not None:
         spec["network"] = pool.network.wire()
+    if world.verify_key is not None:
+        spec["verify"] = {"publicKey": world.verify_key.pem}
     return NewVM(
         spec=spec,
         labels={POOL_LABEL: world.pool.name},
@@ -606,7 +612,7 @@ def _differs(stored: Mapping[str, Any], key: str, value: Any) -> bool:
 def decide(world: PoolWorld) -> PoolPlan:
     """Decide one pass of ``world.pool`` (see the module docstring). Shape:
     ``PoolWorld -> PoolPlan``. A plan with ``poll`` set asks for a poll and nothing else."""
-    if world.template is None or world.vm_class is None:
+    if world.template is None or world.vm_class is None or world.verify_key_problem:
         return _finish(world, PoolPlan())
     try:
         limits = PoolLimits.from_spec(world.pool.spec)
@@ -718,11 +724,14 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
     events: list[EventSpec] = list(plan.events)
     status: dict[str, Any] = {"observedGeneration": pool.generation}
 
-    if world.template is None or world.vm_class is None:
+    if world.template is None or world.vm_class is None or world.verify_key_problem:
         tname, ns = pool.spec.template_name, pool.namespace
         if world.template is None:
             reason = "NotFound"
             msg = f"ImpVMTemplate {tname!r} not found in namespace {ns}; retrying in 30s"
+        elif world.verify_key_problem:  # fail closed: a VM without its key would boot unverified
+            reason = "VerifyKeyMissing"
+            msg = f"ImpVMTemplate {tname!r}: {world.verify_key_problem}; retrying in 30s"
         else:
             reason = "ClassNotFound"
             cname = world.template.spec.class_ref.name

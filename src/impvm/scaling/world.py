@@ -116,6 +116,15 @@ class TemplateObj:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyKey:
+    """The public key a template's VMs must be signed by (``spec.verify``): ``pem`` as the
+    template's Secret holds it, ``fingerprint`` ``sha256:<hex>`` of its DER form."""
+
+    pem: str
+    fingerprint: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ClassObj:
     """An ImpVMClass: name and size."""
 
@@ -333,6 +342,9 @@ class PoolWorld:
     - ``now`` / ``mono``: one clock reading (wall, monotonic seconds); ``jitter`` in [0, 1)
       for the backoff;
     - ``template`` / ``vm_class``: None when not found (then nothing else was observed);
+    - ``verify_key``: the template's signing key (None: it requires no signatures);
+      ``verify_key_problem``: why a key the template requires cannot be used (then nothing
+      else was observed and no VM is made);
     - ``vms``: the ImpVMs the pool owns; ``secrets``: names of the pool's JIT Secrets;
     - ``leases``: every agent Lease; ``github``: :class:`GitHubView`;
     - ``backoff``, ``poll``: state carried between passes (in memory);
@@ -350,6 +362,8 @@ class PoolWorld:
     settings: PassSettings = field(default_factory=PassSettings)
     template: TemplateObj | None = None
     vm_class: ClassObj | None = None
+    verify_key: VerifyKey | None = None
+    verify_key_problem: str | None = None
     vms: tuple[VMObj, ...] = ()
     secrets: frozenset[str] = frozenset()
     leases: tuple[NodeLease, ...] = ()
