@@ -1,4 +1,4 @@
-"""Boot-to-runner-start time of the ``qemu`` runtime (issue 5), with the ``process`` runtime as the
+"""Boot-to-runner-start time of the ``qemu`` runtime, with the ``process`` runtime as the
 baseline in the same run.
 
 Measures, N times (default 5) per runtime, the seconds from ``Runtime.start`` (QEMU launched) to

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -83,6 +84,37 @@ def operator(
             "deliveries were lost.",
         ),
     ] = 300.0,
+    leader_elect: Annotated[
+        bool,
+        typer.Option(
+            help="Elect a leader on the Lease impvm-operator in impvm-system: only the leader "
+            "reconciles, so several replicas may run."
+        ),
+    ] = True,
+    leader_lease_seconds: Annotated[
+        float,
+        typer.Option(
+            min=3.0,
+            help="Seconds a leader's Lease is honoured without renewal (it stops after 2/3 "
+            "of it; a standby takes over after all of it).",
+        ),
+    ] = 15.0,
+    advertise_url: Annotated[
+        str,
+        typer.Option(
+            envvar="IMPVM_ADVERTISE_URL",
+            help="URL of this replica's HTTP endpoint as the other replicas reach it (e.g. "
+            "http://$(POD_IP):8080); standbys forward webhook deliveries there.",
+        ),
+    ] = "",
+    agent_service_account: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="NAMESPACE/NAME",
+            help="ServiceAccount of the node agents, the only callers handed JIT configs; "
+            "repeat for more (default: impvm-system/impvm-agent).",
+        ),
+    ] = None,
 ) -> None:
     """Run the operator (pool controller, webhook receiver, reaper). Kubernetes credentials:
     KUBECONFIG or in-cluster."""
@@ -93,7 +125,20 @@ def operator(
         github_api_url=github_api_url,
         node_lost_grace_seconds=node_lost_grace_seconds,
         webhook_safety_poll_seconds=webhook_safety_poll_seconds,
+        leader_elect=leader_elect,
+        leader_lease_seconds=leader_lease_seconds,
+        advertise_url=advertise_url,
     )
+    if agent_service_account:
+        users = []
+        for sa in agent_service_account:
+            ns, sep, name = sa.partition("/")
+            if not sep or not ns or not name or "/" in name:
+                raise typer.BadParameter(
+                    f"{sa!r} is not NAMESPACE/NAME", param_hint="--agent-service-account"
+                )
+            users.append(f"system:serviceaccount:{ns}:{name}")
+        settings = replace(settings, agent_service_accounts=tuple(users))
     operator_main(namespace or [], http_host, http_port, settings)
 
 
@@ -151,6 +196,28 @@ def agent(
     metrics_address: Annotated[
         str, typer.Option(help="HOST:PORT of GET /metrics and /healthz ('' : not served).")
     ] = "127.0.0.1:9464",
+    cosign: Annotated[
+        str,
+        typer.Option(
+            envvar="IMPVM_COSIGN",
+            help="cosign binary that verifies image signatures (templates with spec.verify).",
+        ),
+    ] = "cosign",
+    operator_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="IMPVM_OPERATOR_URL",
+            help="Base URL of the operator, which hands out the VMs' JIT configs "
+            "(e.g. http://impvm-operator.impvm-system:8080).",
+        ),
+    ] = None,
+    token_file: Annotated[
+        Path,
+        typer.Option(
+            help="Node-bound ServiceAccount token (audience impvm-operator) shown to the "
+            "operator; read at every request.",
+        ),
+    ] = Path("/var/run/secrets/impvm/token"),
 ) -> None:
     """Run the node agent: claim ImpVMs for this node and run them."""
     import os
@@ -176,6 +243,9 @@ def agent(
         network_table,
         network_prefix,
         metrics_address,
+        cosign,
+        operator_url,
+        token_file,
     )
 
 
@@ -357,7 +427,7 @@ def dev_up(
     timeout: Annotated[float, typer.Option(help="Seconds --until-done waits.")] = 900.0,
 ) -> None:
     """impvm up with a generated configuration: the GitHub stand-in, a registry with test
-    images and the seed's minimal example as the pool; show VMs and runners live."""
+    images and the minimal example as the pool; show VMs and runners live."""
     from impvm.devstack.up import run
 
     raise typer.Exit(

@@ -4,6 +4,8 @@ the same application; the agent serves only these two."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
@@ -20,11 +22,14 @@ async def metrics(_: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def make_app(client_max_size: int = 1024**2) -> web.Application:
-    """An application with ``/metrics`` and ``/healthz``; ``client_max_size`` caps request
-    bodies (bytes)."""
+def make_app(
+    client_max_size: int = 1024**2,
+    health: Callable[[web.Request], Awaitable[web.StreamResponse]] = healthz,
+) -> web.Application:
+    """An application with ``/metrics`` and ``/healthz`` (answered by ``health``);
+    ``client_max_size`` caps request bodies (bytes)."""
     app = web.Application(client_max_size=client_max_size)
-    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/healthz", health)
     app.router.add_get("/metrics", metrics)
     return app
 

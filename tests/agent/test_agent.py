@@ -27,6 +27,7 @@ from lightkube.resources.core_v1 import Event, Secret
 from impvm.agent.agent import Agent, AgentConfig
 from impvm.agent.capacity import Resources
 from impvm.agent.images import ImageStore
+from impvm.agent.jitsource import SecretJitSource
 from impvm.agent.lifecycle import Preflight
 from impvm.agent.process import ProcessRuntime
 from impvm.api.models import API_VERSION, JIT_SECRET_KEY
@@ -110,6 +111,7 @@ class Env:
                 stop_grace_seconds=2.0,
             ),
             preflight,
+            jit=SecretJitSource(self.akube),  # the admin client may read the Secret
         )
         task = asyncio.create_task(agent.run())
         try:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from impvm.agent.capacity import Resources
 from impvm.agent.lifecycle import (
     CLASS_MISSING,
+    IMAGE_VERIFIED,
     AddFinalizer,
     AgentAction,
     Claim,
@@ -38,7 +39,7 @@ from impvm.agent.lifecycle import (
     decide,
     holds_capacity,
 )
-from impvm.agent.runtime import RuntimeState
+from impvm.agent.runtime import RuntimeState, Verification
 from impvm.api.models import AGENT_FINALIZER, TERMINAL_PHASES
 from impvm.api.times import k8s_time
 
@@ -956,3 +957,53 @@ def test_a_vm_always_ends_released_and_cleaned(
     if True in finished:
         first = finished.index(True)
         assert all(p in TERMINAL_PHASES for p in phases[first:]), phases
+
+
+def _status_of(action: AgentAction) -> dict[str, Any]:
+    """The status fields of all the action's PatchStatus steps, merged in order."""
+    out: dict[str, Any] = {}
+    for step in action.steps:
+        if isinstance(step, PatchStatus):
+            out |= dict(step.fields)
+    return out
+
+
+def test_a_signature_check_is_reported_in_the_image_verified_condition() -> None:
+    ok = Verification(True, "Verified", "image reg/base@sha256:0 signed by key sha256:f")
+    local = LocalFacts(prepared=True, verification=ok)
+    action = decide(observe(record(phase="Scheduled"), local=local))
+    assert action.why is Why.START and isinstance(action.steps[-1], Start)
+    (cond,) = _status_of(action)["conditions"]
+    assert (cond["type"], cond["status"], cond["reason"]) == (IMAGE_VERIFIED, "True", "Verified")
+    assert cond["message"] == ok.message and cond["lastTransitionTime"] == k8s_time(NOW)
+    # once the VM shows it, it is not written again
+    shown = decide(observe(record(phase="Scheduled", conditions=[cond]), local=local))
+    assert "conditions" not in _status_of(shown)
+    # next to a ClassMissing condition cleared in the same write, both are kept
+    missing = {
+        "type": CLASS_MISSING,
+        "status": "True",
+        "reason": "NotFound",
+        "message": "m",
+        "lastTransitionTime": k8s_time(NOW - timedelta(hours=1)),
+    }
+    both = _status_of(decide(observe(record(phase="Scheduled", conditions=[missing]), local=local)))
+    types = {c["type"]: c["status"] for c in both["conditions"]}
+    assert types == {CLASS_MISSING: "False", IMAGE_VERIFIED: "True"}
+
+
+def test_a_refused_signature_fails_the_vm_with_its_reason_and_condition() -> None:
+    msg = "image reg/base@sha256:0 has no signature; required key sha256:f"
+    refused = Verification(False, "ImageUnsigned", msg)
+    local = LocalFacts(failure=("ImageUnsigned", msg), verification=refused)
+    action = decide(observe(record(phase="Scheduled"), local=local))
+    assert action.why is Why.START_FAILED
+    assert not any(isinstance(s, Start | Stop) for s in action.steps)
+    status = _status_of(action)
+    assert (status["phase"], status["exitReason"]) == ("Failed", "ImageUnsigned")
+    assert msg in status["message"]
+    (cond,) = status["conditions"]
+    assert (cond["status"], cond["reason"], cond["message"]) == ("False", "ImageUnsigned", msg)
+    (event,) = [s for s in action.steps if isinstance(s, Emit)]
+    assert event.reason == "ImageUnsigned" and event.warning
+    assert isinstance(action.steps[-1], Cleanup)

@@ -234,8 +234,9 @@ def test_operator_pod_meets_the_restricted_pod_security_standard(helm: Helm, kub
 #: What each component's code does with the API (verbs per (group, resource)), written from the
 #: code, not from the RBAC files: operator (impvm.operator: kopf watches pools, the pool pass
 #: creates/deletes VMs, mints JIT Secrets, records Events, reads agent Leases; kopf discovers
-#: CRDs) and agent (impvm.agent: claims VMs with a patch, writes their status, reads the JIT
-#: Secret at launch, records Events, renews its Lease).
+#: CRDs; the JIT config hand-out reviews agents' tokens) and agent (impvm.agent: claims VMs with
+#: a patch, writes their status, records Events, renews its Lease; it reads no Secret at all: its
+#: JIT configs come from the operator's hand-out).
 OPERATOR: dict[tuple[str, str], set[str]] = {
     ("imp.dev", "impvmrunnerpools"): {"get", "list", "watch", "patch"},
     ("imp.dev", "impvmrunnerpools/status"): {"get", "patch"},
@@ -248,14 +249,18 @@ OPERATOR: dict[tuple[str, str], set[str]] = {
     ("events.k8s.io", "events"): {"create", "patch"},
     ("coordination.k8s.io", "leases"): {"get", "list", "watch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    ("authentication.k8s.io", "tokenreviews"): {"create"},
 }
 AGENT: dict[tuple[str, str], set[str]] = {
     ("imp.dev", "impvms"): {"get", "list", "watch", "patch"},
     ("imp.dev", "impvms/status"): {"get", "patch"},
     ("imp.dev", "impvmclasses"): {"get", "list", "watch"},
-    ("", "secrets"): {"get"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
+}
+#: the operator's leader-election Lease, in the release namespace only
+OPERATOR_IN_RELEASE_NAMESPACE: dict[tuple[str, str], set[str]] = {
+    ("coordination.k8s.io", "leases"): {"get", "list", "watch", "create", "update"},
 }
 #: the agent's Lease, in the release namespace only
 AGENT_IN_RELEASE_NAMESPACE: dict[tuple[str, str], set[str]] = {
@@ -352,7 +357,7 @@ def test_service_accounts_can_do_their_job_and_nothing_else(
 ) -> None:
     resources = _api_resources(kubectl)
     served = {(g, r) for g, r, _, _ in resources}
-    for table in (OPERATOR, AGENT, AGENT_IN_RELEASE_NAMESPACE):
+    for table in (OPERATOR, AGENT, AGENT_IN_RELEASE_NAMESPACE, OPERATOR_IN_RELEASE_NAMESPACE):
         assert set(table) <= served, set(table) - served  # the tables name real resources
 
     # what any ServiceAccount may do without a binding (discovery, self reviews): allowed to all
@@ -364,7 +369,10 @@ def test_service_accounts_can_do_their_job_and_nothing_else(
         agent = _permissions(kube, f"{sa}-agent", where, resources) - baseline
         # cluster-wide roles: the same answer in every namespace and at cluster scope, except
         # that namespaced-only checks at cluster scope mean "in all namespaces"
-        assert operator == _flat(OPERATOR), (where, _diff(operator, _flat(OPERATOR)))
+        want_operator = _flat(OPERATOR) | (
+            _flat(OPERATOR_IN_RELEASE_NAMESPACE) if where == NAMESPACE else set()
+        )
+        assert operator == want_operator, (where, _diff(operator, want_operator))
         want_agent = _flat(AGENT) | (
             _flat(AGENT_IN_RELEASE_NAMESPACE) if where == NAMESPACE else set()
         )

@@ -28,7 +28,8 @@ def test_lint_defaults_and_full_values(helm: Helm) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--set", "operator.replicas=2"], "additional properties 'replicas' not allowed"),
+        (["--set", "operator.replicas=0"], "operator/replicas"),
+        (["--set", "operator.leaderElection.leaseSeconds=1"], "operator/leaderElection"),
         (["--set", "agent.runtmie=qemu"], "additional properties 'runtmie' not allowed"),
         (["--set", "operator.image.digest=sha256:abc"], "operator/image/digest"),
         (["--set", "agent.image.digest=latest"], "agent/image/digest"),
@@ -88,8 +89,10 @@ def test_operator_deployment(helm: Helm) -> None:
     docs = helm.template()
     dep = one(docs, "Deployment", "impvm-operator")
     spec = dep["spec"]
-    # one operator, never two at once (no leader election yet)
-    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    # replicas elect a leader, so a rolling update (two at once) is safe
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "RollingUpdate"}
+    two = one(helm.template("--set", "operator.replicas=2"), "Deployment", "impvm-operator")
+    assert two["spec"]["replicas"] == 2
     pod = spec["template"]["spec"]
     assert pod["serviceAccountName"] == "impvm-operator"
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -99,8 +102,13 @@ def test_operator_deployment(helm: Helm) -> None:
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {"drop": ["ALL"]}
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+    # alive and Ready on every replica, standbys included (they forward deliveries)
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert "--advertise-url=http://$(POD_IP):8080" in c["args"]
+    assert "--leader-lease-seconds=15" in c["args"]
+    (env,) = c["env"]
+    assert env["name"] == "POD_IP" and env["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     assert c["args"][:3] == ["operator", "--http-host=0.0.0.0", "--http-port=8080"]
     svc = one(docs, "Service", "impvm-operator")

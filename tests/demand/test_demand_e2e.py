@@ -1,4 +1,4 @@
-"""Demand that never loses a job (issue 6), on the embedded stack: real control plane, GitHub
+"""Demand that never loses a job, on the embedded stack: real control plane, GitHub
 stand-in delivering signed webhooks, operator and agent processes."""
 
 from __future__ import annotations

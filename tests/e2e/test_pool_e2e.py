@@ -12,10 +12,19 @@ from typing import Any
 
 import httpx
 import pytest
+from lightkube import AsyncClient
+from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Event, Secret
 
-from impvm.devstack.stack import NAMESPACE, RUNNER_GROUP, Stack, StackConfig, wait_for
+from impvm.devstack.stack import (
+    CREDENTIALS_SECRET,
+    NAMESPACE,
+    RUNNER_GROUP,
+    Stack,
+    StackConfig,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.controlplane]
 
@@ -145,6 +154,17 @@ async def test_seed_example_runs_jobs_each_on_its_own_vm(stack: Stack) -> None:
         vm["metadata"]["uid"],
         True,
     )
+    # the agent got every JIT config from the operator's hand-out, and its identity cannot read
+    # that Secret (nor the App Secret) itself
+    assert "handed to the agent of node-1" in (stack.config.workdir / "operator.log").read_text()
+    agent_kube = AsyncClient(config=KubeConfig.from_file(str(stack.kubeconfigs["agent"])))
+    try:
+        for name in (sname, CREDENTIALS_SECRET):
+            with pytest.raises(ApiError) as refused:
+                await agent_kube.get(Secret, name, namespace=NAMESPACE)
+            assert refused.value.status.code == 403
+    finally:
+        await agent_kube.close()
 
     # secrets appear nowhere but in the VM's Secret (and the guest)
     assert rec.jit_configs and rec.session_tokens
@@ -152,6 +172,8 @@ async def test_seed_example_runs_jobs_each_on_its_own_vm(stack: Stack) -> None:
     secrets |= set(stack.standin.state.tokens)  # type: ignore[union-attr]
     key_lines = [ln for ln in stack.private_key_pem.splitlines() if len(ln) > 40]
     haystack = [stack.logs()]
+    # the agent's hand-out token file is the one new file the channel adds
+    haystack += [p.read_text() for p in stack.config.workdir.glob("*.token")]
     haystack += [repr(v) for v in await stack.vms()]
     haystack += [repr(e.to_dict()) async for e in kube.list(Event, namespace=NAMESPACE)]
     haystack.append(repr(await stack.pool_status()))

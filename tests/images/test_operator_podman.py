@@ -34,7 +34,7 @@ from impvm.images.build import BuiltImage
 
 pytestmark = [pytest.mark.controlplane]
 
-SEED_EXAMPLE = Path(__file__).resolve().parents[1] / "data" / "seed-minimal-example.yaml"
+SEED_EXAMPLE = Path(__file__).resolve().parents[1] / "data" / "minimal-example.yaml"
 
 
 def podman(d: Path) -> list[str]:
@@ -99,18 +99,34 @@ class PodmanOperatorStack(Stack):
     def podman(self) -> list[str]:
         return podman(self.podman_dir)
 
+    async def start(self) -> PodmanOperatorStack:
+        # the service starts "the operator" through this stack's podman container, not a process
+        service = await self.start_fixtures()
+        service.start_operator = self.start_operator  # type: ignore[method-assign]
+        await service.start(start_agent=False)
+        await self.after_start()
+        return self
+
     def start_operator(self) -> None:
         assert self.standin is not None and self.control_plane is not None
         if not self.operator_http_port:
             from impvm.devstack.controlplane import free_port
 
             self.operator_http_port = free_port()
-        # the operator ServiceAccount's token (TokenRequest) and the cluster CA in a kubeconfig;
+        # the operator's credentials and the cluster CA inlined in a kubeconfig;
         # kopf's in-cluster login would need the cluster DNS name kubernetes.default.svc:443
         cfg = yaml.safe_load(self.kubeconfigs["operator"].read_text())
         cluster = cfg["clusters"][0]["cluster"]
         ca = Path(cluster.pop("certificate-authority")).read_bytes()
         cluster["certificate-authority-data"] = base64.b64encode(ca).decode()
+        user = cfg["users"][0]["user"]
+        for k in ("client-certificate", "client-key", "tokenFile"):
+            if k in user:  # the container sees none of the host's files: inline them
+                data = Path(user.pop(k)).read_bytes()
+                if k == "tokenFile":
+                    user["token"] = data.decode().strip()
+                else:
+                    user[f"{k}-data"] = base64.b64encode(data).decode()
         kubeconfig = self.podman_dir / "kubeconfig"
         kubeconfig.write_text(yaml.safe_dump(cfg))
         kubeconfig.chmod(0o644)  # readable by the image's user; the directory is private

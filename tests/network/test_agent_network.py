@@ -20,6 +20,7 @@ from lightkube.resources.core_v1 import Secret
 from impvm.agent.agent import Agent, AgentConfig
 from impvm.agent.capacity import Resources
 from impvm.agent.images import ImageStore
+from impvm.agent.jitsource import SecretJitSource
 from impvm.agent.network.node import NodeNetwork
 from impvm.agent.process import ProcessRuntime
 from impvm.api.models import API_VERSION, JIT_SECRET_KEY
@@ -97,6 +98,7 @@ async def test_class_and_vm_policies_reach_the_vm_through_the_agent(
             tick_seconds=0.2,
             stop_grace_seconds=1.0,
         ),
+        jit=SecretJitSource(akube),  # the admin client may read the Secret
     )
     task = asyncio.create_task(agent.run())
     try:

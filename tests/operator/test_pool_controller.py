@@ -1,5 +1,5 @@
 """The pool controller against a real kube-apiserver and the GitHub stand-in over HTTP, one
-reconcile pass at a time (issue "pool controller", Done when; seed 000's failure-boundary table).
+reconcile pass at a time (the failure-boundary table of docs/architecture.md).
 
 Each test drives :class:`impvm.operator.pool.PoolReconciler` exactly as the operator's daemon
 does, with the operator's clock under the test's control, then reads the results from the API
@@ -212,7 +212,7 @@ async def test_jit_mint_failure_leaves_vm_without_secret_and_retries_with_backof
     env.standin.state.failures.append(failure)
 
     await env.run_pass()
-    (vm,) = await env.vms()  # seed 000: the VM is created before its Secret
+    (vm,) = await env.vms()  # the VM is created before its Secret
     assert not vm["spec"].get("runnerConfigSecret")
     assert await env.secret_names() == set()
     assert env.standin.state.runners == {}
@@ -484,7 +484,7 @@ async def test_secret_write_failure_leaves_vm_without_setup_then_is_repaired(
 
 
 async def _create_vm_like_the_controller(env: PoolEnv) -> dict[str, Any]:
-    """The state a crash right after step 2 of seed 000 leaves: the ImpVM, nothing else."""
+    """The state a crash right after step 2 of the pool pass leaves: the ImpVM, nothing else."""
     pool = await env.pool()
     name = runner_prefix(POOL, pool["metadata"]["uid"]) + "c0ffee"
     body = {
@@ -691,3 +691,18 @@ async def test_scale_down_keeps_a_runner_that_becomes_busy_meanwhile(
     assert len(env.requests("DELETE", RUNNER_PATH)) == 1
     assert {v["metadata"]["uid"] for v in vms} < {v["metadata"]["uid"] for v in await env.vms()}
     await env.assert_no_secrets(caplog)
+
+
+async def test_a_replica_that_lost_the_lead_acts_on_nothing(env: PoolEnv) -> None:
+    """Fencing: while ``ctx.leading`` is False a pass creates, mints and deletes nothing; once
+    leading again the same pass does its work."""
+    await env.ready_pool()
+    leading = {"now": False}
+    env.ctx.leading = lambda: leading["now"]
+    await env.run_pass()
+    assert await env.vms() == []
+    assert env.requests("POST", JIT_PATH) == []
+    leading["now"] = True
+    await env.run_pass()
+    await one_vm_with_secret(env)
+    assert len(env.requests("POST", JIT_PATH)) == 1

@@ -1,4 +1,4 @@
-"""Unit tests of the reaper's decision table (seed 004, issue 7), row by row, boundaries, the
+"""Unit tests of the reaper's decision table, row by row, boundaries, the
 seed-004 scenario, and properties."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fixtures for the reaper pass tests (issue 7, seed 004): the real control plane (session),
+"""Fixtures for the reaper pass tests: the real control plane (session),
 a fresh namespace, the GitHub stand-in over real HTTP, and helpers that create a pool, its
 credentials Secret and VMs whose status records jobs the stand-in knows."""
 
@@ -294,7 +294,7 @@ def world(kube: Client, namespace: str, standin: StandIn, private_key: str) -> W
 
 
 def four_vms(world: World) -> None:
-    """Seed 004's scenario: idle, hung (job started 10 days ago; bound 1 hour), cancelled run
+    """The reaper proposal's scenario: idle, hung (job started 10 days ago; bound 1 hour), cancelled run
     (completed 1 day ago), busy (job started 60 s ago). Each job VM's runner is registered."""
     day = 86400.0
     hung = world.seed(

@@ -1,4 +1,4 @@
-"""The backstop that needs no GitHub call (issue 7 item 3, seed 004's activeDeadlineSeconds):
+"""The backstop that needs no GitHub call (like a Job's activeDeadlineSeconds):
 a VM past its ``expireAfter`` is stopped by the real agent (process runtime, bubblewrap) with
 phase Failed / exitReason DeadlineExceeded, whatever its runner is doing."""
 
@@ -20,6 +20,7 @@ from lightkube.types import PatchType
 from impvm.agent.agent import Agent, AgentConfig
 from impvm.agent.capacity import Resources
 from impvm.agent.images import ImageStore
+from impvm.agent.jitsource import SecretJitSource
 from impvm.agent.process import ProcessRuntime
 from impvm.api.models import API_VERSION, JIT_SECRET_KEY
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
@@ -98,6 +99,7 @@ async def test_expire_after_stops_a_hung_vm(
                 tick_seconds=0.2,
                 stop_grace_seconds=2.0,
             ),
+            jit=SecretJitSource(akube),  # the admin client may read the Secret
         )
         task = asyncio.create_task(agent.run())
         try:

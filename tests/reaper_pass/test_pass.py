@@ -1,4 +1,4 @@
-"""One reaper pass (issue 7 "Done when", mirroring seed 004's test) on the real control plane
+"""One reaper pass (mirroring the test of ARC's reaper proposal) on the real control plane
 against the GitHub stand-in over real HTTP: which VMs go, which stay, what GitHub was asked,
 and what the pool reports."""
 

@@ -1,4 +1,4 @@
-"""Least privilege, on the real API server (issue 7 item 4, seed 004): deploy/rbac/reaper.yaml
+"""Least privilege, on the real API server: deploy/rbac/reaper.yaml
 gives the reaper's ServiceAccount exactly what a pass needs in its namespace, a pass runs as
 that ServiceAccount, and the ServiceAccount can do nothing else."""
 

@@ -1,4 +1,4 @@
-"""The job table (issue 6): forward-only state, dedupe, routing, pending demand, sweep."""
+"""The job table: forward-only state, dedupe, routing, pending demand, sweep."""
 
 from __future__ import annotations
 

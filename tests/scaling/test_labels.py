@@ -1,4 +1,4 @@
-"""Unit tests of impvm.scaling.labels (issue 6: which pool a job belongs to)."""
+"""Unit tests of impvm.scaling.labels (which pool a job belongs to)."""
 
 from __future__ import annotations
 

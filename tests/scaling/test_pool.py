@@ -1,4 +1,4 @@
-"""Unit tests of impvm.scaling.pool.decide: every rule of seed 000 step 1 and issue 6, then
+"""Unit tests of impvm.scaling.pool.decide: every sizing rule, then
 properties over arbitrary snapshots."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_registration_matched_by_recorded_id_else_by_name() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Terminal VMs (seed 000 step 1)
+# Terminal VMs
 
 
 def test_terminal_vms_are_deleted_with_their_phase_as_reason() -> None:
@@ -316,7 +316,7 @@ def test_surplus_kept_when_github_inventory_unknown() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Bootstrap timeout (issue 6)
+# Bootstrap timeout
 
 
 def test_vm_not_online_within_bootstrap_timeout_is_deleted_and_replaced() -> None:
@@ -369,7 +369,7 @@ def test_no_bootstrap_timeout_when_github_inventory_unknown() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Registration vanished (issue 6)
+# Registration vanished
 
 
 def test_running_vm_whose_registration_vanished_is_replaced() -> None:
@@ -401,7 +401,7 @@ def test_vanished_not_judged_without_inventory() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Orphan registrations (issue 6)
+# Orphan registrations
 
 
 def test_offline_registration_without_vm_is_deleted() -> None:
@@ -501,9 +501,7 @@ def test_parse_demand() -> None:
 
 def test_limits_from_seed_example_spec() -> None:
     docs = list(
-        yaml.safe_load_all(
-            (Path(__file__).parent.parent / "data/seed-minimal-example.yaml").read_text()
-        )
+        yaml.safe_load_all((Path(__file__).parent.parent / "data/minimal-example.yaml").read_text())
     )
     pool = next(d for d in docs if d["kind"] == "ImpVMRunnerPool")
     lim = PoolLimits.from_spec(ImpVMRunnerPoolSpec.model_validate(pool["spec"]))

@@ -34,6 +34,7 @@ from impvm.scaling.world import (
     PollOutcome,
     PollState,
     RateBudget,
+    VerifyKey,
 )
 from tests.scaling.poolworld import (
     CLASS,
@@ -101,6 +102,47 @@ def test_found_template_clears_the_condition_and_shapes_new_vms() -> None:
     }
     assert plan.new_vm.labels == {"imp.dev/runner-pool": "pool"}
     assert len(plan.new_vm.annotations[TEMPLATE_HASH_ANNOTATION]) == 16
+
+
+PEM = "-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n"
+
+
+def test_a_signing_key_goes_onto_new_vms_and_into_the_template_hash() -> None:
+    key = VerifyKey(pem=PEM, fingerprint="sha256:" + "a" * 64)
+    unsigned = decide(world())
+    signed = decide(world(verify_key=key))
+    assert signed.new_vm is not None and unsigned.new_vm is not None
+    assert signed.new_vm.spec["verify"] == {"publicKey": PEM}
+    assert "verify" not in unsigned.new_vm.spec
+    h = TEMPLATE_HASH_ANNOTATION
+    assert signed.new_vm.annotations[h] != unsigned.new_vm.annotations[h]
+    # a rotated key makes the idle VMs made with the old one outdated (they roll)
+    w = world((vm("aaaaaa", runner=(1, True, False)),), (reg(1, "aaaaaa"),), verify_key=key)
+    made = apply(w, decide(w))
+    (old,) = [v for v in made.vms if v.name == PREFIX + "aaaaaa"]
+    old = dataclasses.replace(
+        old, annotations={h: signed.new_vm.annotations[h]}
+    )  # made with the key
+    w = dataclasses.replace(w, vms=(old,))
+    assert decide(w).settlement.status["outdated"] == 0  # type: ignore[union-attr]
+    rotated = dataclasses.replace(key, fingerprint="sha256:" + "b" * 64)
+    w = dataclasses.replace(w, verify_key=rotated)
+    assert decide(w).settlement.status["outdated"] == 1  # type: ignore[union-attr]
+
+
+def test_an_unusable_signing_key_blocks_every_vm_and_requeues_after_30s() -> None:
+    problem = "verify.publicKeySecretRef of the template: Secret ns/k key cosign.pub: not found"
+    plan = decide(world(verify_key_problem=problem, vms=(vm("aaaaaa"),)))
+    assert plan.acts == 0 and plan.sizing is None and plan.new_vm is None
+    c = conds(plan)
+    assert (c["TemplateMissing"]["status"], c["TemplateMissing"]["reason"]) == (
+        "True",
+        "VerifyKeyMissing",
+    )
+    assert problem in c["TemplateMissing"]["message"]
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "TemplateMissing")
+    assert plan.settlement is not None and plan.settlement.requeue == 30.0
+    assert reasons(plan) == ["TemplateMissing"]
 
 
 # --------------------------------------------------------------------------------------------

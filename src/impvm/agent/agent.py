@@ -9,7 +9,8 @@ bound to this node (field selector ``spec.nodeName=<node>``), the unbound VMs it
 (``spec.nodeName=``) and the ImpVMClasses. Each change of a VM wakes that VM's worker; a class
 change wakes the VMs of that class; a released VM wakes the unbound ones (capacity was freed).
 What a write returns goes into the cache at once, so the next decision sees it. The VM's JIT
-config Secret is read once, at start.
+config is obtained once, at start, from a :class:`~impvm.agent.jitsource.JitSource` (the
+operator's hand-out: the agent cannot read Secrets).
 
 Binding: an agent claims an unbound VM by setting ``spec.nodeName`` (and its finalizer) in one
 update that carries the VM's ``resourceVersion``, so when several agents race the API server lets
@@ -30,7 +31,6 @@ Memory is bounded by the VMs this node works on: a VM's worker and per-VM state 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import datetime as dt
 import logging
@@ -44,13 +44,13 @@ from lightkube.core.exceptions import ApiError
 from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import Secret as K8sSecret
 from lightkube.types import PatchType
 
 from impvm.agent import lifecycle as lc
 from impvm.agent import metrics
 from impvm.agent.capacity import ZERO, Resources, total
 from impvm.agent.doctor import lease_value
+from impvm.agent.jitsource import JitSource, JitSourceError
 from impvm.agent.network.policy import EgressLayer, egress_layers
 from impvm.agent.runtime import (
     ImageError,
@@ -60,12 +60,12 @@ from impvm.agent.runtime import (
     VMRequest,
     VMRuntimeError,
 )
+from impvm.agent.signing import SignatureError, verification
 from impvm.api.models import (
     AGENT_FINALIZER,
     AGENT_LEASE_NAMESPACE,
     AGENT_LEASE_PREFIX,
     API_VERSION,
-    JIT_SECRET_KEY,
     ImpVMClass,
     ImpVMClassSpec,
 )
@@ -121,7 +121,8 @@ def _parse_class(raw: dict[str, Any]) -> ImpVMClassSpec:
 
 class Agent:
     """One node's agent. ``run()`` works until cancelled. ``preflight``: whether this host can
-    run VMs (an agent whose runtime cannot work claims nothing)."""
+    run VMs (an agent whose runtime cannot work claims nothing); ``jit``: where JIT configs
+    come from."""
 
     def __init__(
         self,
@@ -129,8 +130,11 @@ class Agent:
         runtime: Runtime,
         config: AgentConfig,
         preflight: lc.Preflight | None = None,
+        *,
+        jit: JitSource,
     ) -> None:
         self.client = client
+        self.jit = jit
         self.runtime = runtime
         self.config = config
         self.preflight = preflight or lc.Preflight()
@@ -472,7 +476,11 @@ class Agent:
         elif isinstance(step, lc.Prepare):
             try:
                 await self.runtime.prepare(req)
-                facts = replace(facts, prepared=True)
+                facts = replace(facts, prepared=True, verification=verification(req))
+            except SignatureError as e:
+                facts = replace(
+                    facts, failure=(e.reason, str(e)), verification=verification(req, e)
+                )
             except ImageError as e:
                 facts = replace(facts, failure=("ImagePullFailed", str(e)))
         elif isinstance(step, lc.Start):
@@ -534,6 +542,7 @@ class Agent:
             disk_gib=disk_gib,
             workdir=workdir,
             egress=egress,
+            verify_public_key=spec.verify.public_key if spec and spec.verify else None,
         )
 
     def _written(self, raw: dict[str, Any]) -> None:
@@ -579,20 +588,16 @@ class Agent:
         record_phase(self.config.node_name, str(old) if old else None, status.get("phase"))
 
     async def _read_jitconfig(self, vm: lc.VMRecord) -> Secret | None:
-        """The JIT config from the VM's Secret; None while it is not there (yet)."""
+        """The JIT config from the agent's :class:`JitSource`; None while it is not there
+        (yet) or cannot be asked for (logged; the start is retried, then times out)."""
         name = vm.vm.spec.runner_config_secret
         if not name:
             return None
         try:
-            sec = await self.client.get(K8sSecret, name, namespace=vm.namespace)
-        except ApiError as e:
-            if e.status.code in (403, 404):
-                return None
-            raise
-        data = (sec.data or {}).get(JIT_SECRET_KEY)
-        if not data:
+            return await self.jit.jitconfig(vm.namespace, vm.name, name)
+        except JitSourceError as e:
+            log.warning("JIT config of %s/%s: %s", vm.namespace, vm.name, e)
             return None
-        return Secret(base64.b64decode(data).decode())
 
     async def _event(self, vm: lc.VMRecord, step: lc.Emit) -> None:
         """Record the step's Event about the VM (aggregated, never raising)."""

@@ -16,7 +16,8 @@ The ladder, first match wins (each rung names its :class:`Why`):
    finalizer (never before the runtime reported the VM stopped and its files are removed);
 5. bound here without the finalizer (created with ``spec.nodeName``): add it;
 6. not started (no phase, Pending, Scheduled): report Scheduled, prepare the image (pull by
-   digest, verify, unpack), wait for the JIT config Secret, start;
+   digest, verify, check signatures when the VM requires them, unpack), wait for the JIT
+   config Secret, start;
 7. started (Starting, Running): report Running; finish with the runner's exit (Succeeded on 0);
    fail on the ``expireAfter`` deadline (DeadlineExceeded), on a start that takes longer than
    the start timeout (StartTimeout), or when the runtime no longer knows the VM (Lost).
@@ -28,9 +29,11 @@ attach is a StartFailed like any other and every path that cleans a VM up remove
 
 Where later capabilities slot in, without reshaping: a failing host preflight already gates
 claims (:class:`Preflight`); signature verification is part of :class:`Prepare`
-(its failure arrives as :attr:`LocalFacts.failure`); keeping the console of a failed VM is an
-option of :class:`Cleanup` chosen in :func:`_fail`/:func:`_finish`; re-attaching a VM that
-survived an agent restart is a runtime status other than ``missing`` handled in rung 7.
+(a refusal arrives as :attr:`LocalFacts.failure`, every outcome as
+:attr:`LocalFacts.verification`, reported in the ``ImageVerified`` condition); keeping the
+console of a failed VM is an option of :class:`Cleanup` chosen in :func:`_fail`/:func:`_finish`;
+re-attaching a VM that survived an agent restart is a runtime status other than ``missing``
+handled in rung 7.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from enum import StrEnum
 from typing import Any
 
 from impvm.agent.capacity import Resources, fits
-from impvm.agent.runtime import RuntimeState
+from impvm.agent.runtime import RuntimeState, Verification
 from impvm.api.durations import resolve_expire_after
 from impvm.api.models import (
     AGENT_FINALIZER,
@@ -58,6 +61,8 @@ from impvm.api.times import k8s_time
 NOT_STARTED: frozenset[VMPhase | None] = frozenset({None, VMPhase.PENDING, VMPhase.SCHEDULED})
 #: Condition an agent sets on a VM whose ImpVMClass does not exist.
 CLASS_MISSING = "ClassMissing"
+#: Condition reporting the signature check of a VM's image and runner layer.
+IMAGE_VERIFIED = "ImageVerified"
 #: How much of a console tail or failure message goes into ``status.message`` / an Event.
 MESSAGE_CHARS = 2000
 #: console lines a failed VM's status carries (``status.consoleTail``)
@@ -163,13 +168,17 @@ class LocalFacts:
 
     ``prepared``: its image is ready; ``failure``: ``(exitReason, message)`` of a prepare or
     start that failed; ``jit_missing_at``: when a start found no JIT config in the VM's Secret;
-    ``cleaned``: the runtime removed everything of the VM since it last ran.
+    ``cleaned``: the runtime removed everything of the VM since it last ran;
+    ``verification``: the outcome of the signature check of a VM whose spec has ``verify``
+    (made in :class:`Prepare`; a refusal also sets ``failure``), reported in its
+    ``ImageVerified`` condition.
     """
 
     prepared: bool = False
     failure: tuple[str, str] | None = None
     jit_missing_at: datetime | None = None
     cleaned: bool = False
+    verification: Verification | None = None
 
 
 @dataclass(frozen=True)
@@ -228,8 +237,10 @@ class Emit:
 
 @dataclass(frozen=True)
 class Prepare:
-    """Make the image and runner layer ready (the runtime's ``prepare``); a failure is
-    remembered as :attr:`LocalFacts.failure` (ImagePullFailed)."""
+    """Make the image and runner layer ready (the runtime's ``prepare``, which checks their
+    signatures when the VM requires it); a failure is remembered as :attr:`LocalFacts.failure`
+    (ImagePullFailed, or the signature refusal's reason), a signature check's outcome as
+    :attr:`LocalFacts.verification`."""
 
 
 @dataclass(frozen=True)
@@ -406,6 +417,30 @@ def _class_found(obs: VMObservation, vm: VMRecord) -> dict[str, Any]:
     return {"conditions": _set_condition(vm, CLASS_MISSING, False, "Found", message, obs.now)}
 
 
+def _verified(
+    obs: VMObservation, vm: VMRecord, conditions: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """Status fields setting the ``ImageVerified`` condition from the signature check this
+    agent made (on top of ``conditions`` when this decision already changes others); ``{}``
+    when there is none or the VM already shows it."""
+    v = obs.local.verification
+    if v is None:
+        return {}
+    current = vm.condition(IMAGE_VERIFIED)
+    value = "True" if v.verified else "False"
+    if current is not None and (current.status, current.reason, current.message) == (
+        value,
+        v.reason,
+        v.message,
+    ):
+        return {}
+    return {
+        "conditions": _set_condition(
+            vm, IMAGE_VERIFIED, v.verified, v.reason, v.message, obs.now, conditions
+        )
+    }
+
+
 def _wind_down(obs: VMObservation, vm: VMRecord, why: Why) -> AgentAction:
     """Deleted or finished: stop, clean up, then (a later decision, once the runtime reports
     the VM stopped and this agent cleaned it up) release the finalizer."""
@@ -438,6 +473,7 @@ def _boot(obs: VMObservation, vm: VMRecord) -> AgentAction:
         return _refuse_class(obs, vm, "booted")
     steps: list[Step] = []
     report: dict[str, Any] = _class_found(obs, vm)
+    report |= _verified(obs, vm, report.get("conditions"))
     if vm.phase != VMPhase.SCHEDULED:
         report |= {
             "phase": VMPhase.SCHEDULED,
@@ -579,15 +615,24 @@ def _fail(
 
 
 def _set_condition(
-    vm: VMRecord, type_: str, status: bool, reason: str, message: str, now: datetime
+    vm: VMRecord,
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: datetime,
+    conditions: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """The VM's conditions (wire form, sorted by type) with ``type_`` set; its
-    lastTransitionTime moves only when its status flips (Kubernetes API conventions)."""
+    """The VM's conditions (wire form, sorted by type; ``conditions``: instead of the VM's, when
+    this decision already changed them) with ``type_`` set; its lastTransitionTime moves only
+    when its status flips (Kubernetes API conventions)."""
     value = "True" if status else "False"
-    out = {
-        c.type: c.model_dump(by_alias=True, exclude_none=True, mode="json")
-        for c in vm.status.conditions or ()
-    }
+    if conditions is None:
+        conditions = [
+            c.model_dump(by_alias=True, exclude_none=True, mode="json")
+            for c in vm.status.conditions or ()
+        ]
+    out = {c["type"]: dict(c) for c in conditions}
     old = out.get(type_)
     since = old["lastTransitionTime"] if old and old.get("status") == value else k8s_time(now)
     out[type_] = {

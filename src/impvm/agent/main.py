@@ -17,6 +17,7 @@ from impvm.agent.agent import Agent, AgentConfig
 from impvm.agent.capacity import Resources
 from impvm.agent.doctor import Check
 from impvm.agent.images import ImageStore
+from impvm.agent.jitsource import JitSource, OperatorJitSource
 from impvm.agent.lifecycle import Preflight
 from impvm.agent.network.node import NetworkError, NodeNetwork, host_resolvers
 from impvm.agent.network.ruleset import NetConfig
@@ -53,13 +54,15 @@ def make_runtime(
     qemu_kernel: Path | None = None,
     qemu_accelerator: str = "auto",
     network: NodeNetwork | None = None,
+    cosign: str = "cosign",
 ) -> Runtime:
     """The runtime called ``name``: ``process`` (bubblewrap) or ``qemu`` (a VM per job; finds the
     kernel, builds the guest initramfs and probes the accelerator with real boots, which takes
     seconds). ``qemu_accelerator``: ``auto``, ``kvm`` or ``tcg``. Raises ``ValueError`` for an
     unknown or unavailable runtime (the message says why). ``network``: the node's guest networks
-    (``None``: no isolation, development only)."""
-    store = ImageStore(workdir / "images", image_cache_bytes, insecure_registries)
+    (``None``: no isolation, development only). ``cosign``: the binary verifying signed images
+    (run only for VMs whose spec has ``verify``)."""
+    store = ImageStore(workdir / "images", image_cache_bytes, insecure_registries, cosign)
     if name == "process":
         return ProcessRuntime(store, extra_ro_binds=ro_binds, network=network)
     if name == "qemu":
@@ -119,13 +122,15 @@ def make_network(
 async def run(
     config: AgentConfig,
     runtime: Runtime,
+    jit: JitSource,
     network: NodeNetwork | None = None,
     metrics_address: tuple[str, int] | None = None,
     preflight: Preflight | None = None,
 ) -> None:
     """Run the agent until cancelled (credentials from KUBECONFIG or the ServiceAccount); first
-    rebuild the node's guest networks from what is running. ``metrics_address``: where
-    ``GET /metrics`` and ``GET /healthz`` are served (None: not served)."""
+    rebuild the node's guest networks from what is running. ``jit``: where JIT configs come
+    from. ``metrics_address``: where ``GET /metrics`` and ``GET /healthz`` are served (None: not
+    served)."""
     if network is not None:
         await network.start()
     server = None
@@ -140,9 +145,10 @@ async def run(
         log.info("metrics on %s:%d", *metrics_address)
     kube = AsyncClient(field_manager="impvm-agent")
     try:
-        await Agent(kube, runtime, config, preflight).run()
+        await Agent(kube, runtime, config, preflight, jit=jit).run()
     finally:
         await kube.close()
+        await jit.close()
         if server is not None:
             await server.cleanup()
 
@@ -165,10 +171,16 @@ def main(
     network_table: str = "impvm",
     network_prefix: str = "impvm",
     metrics_address: str = DEFAULT_METRICS_ADDRESS,
+    cosign: str = "cosign",
+    operator_url: str | None = None,
+    token_file: Path = Path("/var/run/secrets/impvm/token"),
 ) -> None:
     """Blocking entry point of the CLI. ``metrics_address``: ``HOST:PORT`` of ``/metrics``, or
     ``""`` for none."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if not operator_url:
+        print("impvm agent: --operator-url is required (the JIT config hand-out)", file=sys.stderr)
+        raise SystemExit(2)
     workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
         metrics_at = metrics_http.parse_address(metrics_address) if metrics_address else None
@@ -204,6 +216,7 @@ def main(
             qemu_kernel,
             qemu_accelerator,
             network,
+            cosign,
         )
     except ValueError as exc:
         if runtime_name not in ("qemu", "process"):
@@ -223,6 +236,15 @@ def main(
         accelerator=str(runtime.accel) if isinstance(runtime, QemuRuntime) else "none",
     )
     try:
-        asyncio.run(run(config, runtime, network, metrics_at, preflight))
+        asyncio.run(
+            run(
+                config,
+                runtime,
+                OperatorJitSource(operator_url, token_file),
+                network,
+                metrics_at,
+                preflight,
+            )
+        )
     except NetworkError as exc:  # the node cannot isolate its VMs: do not run any
         raise SystemExit(f"impvm agent: guest networks: {exc}") from None

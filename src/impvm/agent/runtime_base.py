@@ -213,12 +213,15 @@ class RuntimeBase(Generic[VM]):
         (blocking; run in a thread)."""
 
     async def _prepare(self, req: VMRequest) -> PreparedImage:
-        """Pull/verify/unpack the image and runner layer through the store (cached)."""
+        """Pull/verify/unpack the image and runner layer through the store (cached); with
+        ``req.verify_public_key`` both must be signed by that key (raises
+        :class:`~impvm.agent.signing.SignatureError`)."""
         return await self.store.prepare(
             req.image,
             req.runner_layer,
             allow_unpinned=req.allow_unpinned_images,
             auth_file=self.auth_file,
+            public_key=req.verify_public_key,
         )
 
     # ------------------------------------------------------------------ the Runtime protocol

@@ -45,10 +45,14 @@ TEMPLATE_HASH_ANNOTATION = "imp.dev/template-hash"
 MAX_POOL_NAME = 63
 #: Key of the JIT config in the Secret owned by a VM.
 JIT_SECRET_KEY = "jitconfig"
+#: Where a node agent asks the operator for a VM's JIT config (``{namespace}``, ``{name}``: the
+#: VM's), with a node-bound ServiceAccount token for the audience :data:`JIT_HANDOUT_AUDIENCE`.
+JIT_HANDOUT_PATH = "/agents/v1/namespaces/{namespace}/impvms/{name}/jitconfig"
+JIT_HANDOUT_AUDIENCE = "impvm-operator"
 #: Key of the webhook secret in the Secret named by ``scaling.webhook.secretRef``.
 WEBHOOK_SECRET_KEY = "webhook_secret"
 
-#: ``name@sha256:<64 hex>``: an OCI reference pinned by digest (immutable: pulled by digest).
+#: ``name@sha256:<64 hex>``: an OCI reference pinned by digest (OCI distribution spec).
 DIGEST_REF_PATTERN = r"^[^@[:space:]]+@sha256:[0-9a-f]{64}$"
 #: GitHub's ``owner/name`` repository form.
 REPO_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/[A-Za-z0-9._-]{1,100}$"
@@ -270,6 +274,67 @@ class ImpVMClass(ApiModel):
 
 
 # --------------------------------------------------------------------------------------------
+# Signed images (sigstore signatures, verified by the agent through containers-policy
+# sigstoreSigned in skopeo; see docs/signing.md)
+
+#: Default key of the public key in the Secret named by ``verify.publicKeySecretRef`` (the file
+#: name ``cosign generate-key-pair`` writes the public key to).
+VERIFY_PUBLIC_KEY_DEFAULT_KEY = "cosign.pub"
+#: Longest accepted PEM public key (an RSA 8192 key is about 1.5 KiB).
+VERIFY_PUBLIC_KEY_MAX_LENGTH = 16384
+#: One PEM ``PUBLIC KEY`` block (SubjectPublicKeyInfo: ECDSA, RSA or Ed25519), as cosign writes it.
+PUBLIC_KEY_PEM_PATTERN = (
+    r"^\s*-----BEGIN PUBLIC KEY-----\r?\n[A-Za-z0-9+/=\r\n]+-----END PUBLIC KEY-----\s*$"
+)
+
+
+class PublicKeySecretRef(ApiModel):
+    """A key of a Secret in the template's namespace holding a PEM public key (not secret; the
+    Secret is read by the operator only, never by agents)."""
+
+    name: str = Field(
+        min_length=1, max_length=253, pattern=NAME_PATTERN, description="Secret name."
+    )
+    key: str = Field(
+        default=VERIFY_PUBLIC_KEY_DEFAULT_KEY,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="Key of the PEM public key in the Secret (default cosign.pub).",
+    )
+
+
+class TemplateVerifySpec(ApiModel):
+    """Signatures a template's images must carry: the agent boots a VM only when its image and
+    runner layer each have a sigstore signature by this key for their digest and repository."""
+
+    public_key_secret_ref: PublicKeySecretRef = Field(
+        description="Secret key holding the cosign/sigstore public key (PEM) that must have "
+        "signed the image and the runner layer."
+    )
+
+
+class VMVerifySpec(ApiModel):
+    """The signature requirement of one VM, copied by the operator from its template's
+    verify.publicKeySecretRef when the VM is created (so agents never read that Secret)."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            f"self.publicKey.matches(r'{PUBLIC_KEY_PEM_PATTERN}')",
+            "verify.publicKey must be one PEM public key (-----BEGIN PUBLIC KEY----- ... "
+            "-----END PUBLIC KEY-----)",
+            ".publicKey",
+        ),
+    ]
+
+    public_key: str = Field(
+        min_length=1,
+        max_length=VERIFY_PUBLIC_KEY_MAX_LENGTH,
+        description="PEM public key that must have signed the image and the runner layer.",
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # ImpVMTemplate
 
 
@@ -305,6 +370,11 @@ class ImpVMTemplateSpec(ApiModel):
         default=None,
         description="Opt out of digest pinning for image and runnerLayer (not for production: "
         "a tag can change under a running pool; a digest cannot).",
+    )
+    verify: TemplateVerifySpec | None = Field(
+        default=None,
+        description="Require sigstore signatures on the image and the runner layer (unset: "
+        "digest pinning only).",
     )
 
 
@@ -641,7 +711,7 @@ class ScalingSpec(ApiModel):
 
 
 class ReaperSpec(ApiModel):
-    """Removal of runners that outlive their job (like ARC's optional reaper)."""
+    """Removal of runners that outlive their job (after ARC's proposed runner reaper)."""
 
     enabled: bool = Field(default=False, description="Run the reaper for this pool.")
     max_job_seconds: int = Field(
@@ -906,6 +976,12 @@ class ImpVMSpec(ApiModel):
             ".nodeName",
         ),
         cel(
+            "has(self.verify) == has(oldSelf.verify) && "
+            "(!has(self.verify) || self.verify == oldSelf.verify)",
+            "verify cannot be added, changed or removed after the VM is created",
+            ".verify",
+        ),
+        cel(
             "has(self.network) == has(oldSelf.network) && "
             "(!has(self.network) || self.network == oldSelf.network)",
             "network cannot be changed once the VM exists",
@@ -936,6 +1012,10 @@ class ImpVMSpec(ApiModel):
     )
     node_name: str | None = Field(
         default=None, max_length=253, description="Node (agent) the VM is bound to."
+    )
+    verify: VMVerifySpec | None = Field(
+        default=None,
+        description="Signature requirement copied from the template (immutable); unset: none.",
     )
     network: NetworkSpec | None = Field(
         default=None,

@@ -11,10 +11,10 @@ import yaml
 from lightkube import Client
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ApiError
-from lightkube.models.authentication_v1 import TokenRequestSpec
+from lightkube.models.authentication_v1 import BoundObjectReference, TokenRequestSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
-from lightkube.resources.core_v1 import ServiceAccount, ServiceAccountToken
+from lightkube.resources.core_v1 import Node, ServiceAccount, ServiceAccountToken
 
 from impvm.api.crd import all_crds
 
@@ -102,6 +102,48 @@ def _token_request(client: Client, namespace: str, name: str) -> str:
     req = ServiceAccountToken(
         metadata=ObjectMeta(name=name, namespace=namespace),
         spec=TokenRequestSpec(audiences=[], expirationSeconds=86400),
+    )
+    out = client.create(req, name=name, namespace=namespace)
+    if out.status is None or not out.status.token:
+        raise RuntimeError(f"TokenRequest for {namespace}/{name} returned no status")
+    return out.status.token
+
+
+def node_bound_token(
+    client: Client,
+    namespace: str,
+    name: str,
+    node: str,
+    audience: str,
+    seconds: int = 86400,
+    labels: dict[str, str] | None = None,
+) -> str:
+    """A token of ServiceAccount ``namespace/name`` for ``audience``, valid ``seconds``, bound
+    to the Node object ``node`` (created, with ``labels``, when missing): the API server then
+    names the node in the user's extra ``authentication.kubernetes.io/node-name`` and stops
+    honouring the token when the Node goes. What the kubelet's Pod-bound token is to a
+    DaemonSet pod, for an agent running as a plain process. Raises ``ApiError``."""
+    try:
+        n = client.get(Node, node)
+    except ApiError as e:
+        if e.status.code != 404:
+            raise
+        try:
+            n = client.create(Node(metadata=ObjectMeta(name=node, labels=labels)))
+        except ApiError as e2:
+            if e2.status.code != 409:
+                raise
+            n = client.get(Node, node)
+    assert n.metadata is not None
+    req = ServiceAccountToken(
+        metadata=ObjectMeta(name=name, namespace=namespace),
+        spec=TokenRequestSpec(
+            audiences=[audience],
+            expirationSeconds=seconds,
+            boundObjectRef=BoundObjectReference(
+                apiVersion="v1", kind="Node", name=node, uid=n.metadata.uid
+            ),
+        ),
     )
     out = client.create(req, name=name, namespace=namespace)
     if out.status is None or not out.status.token:

@@ -6,7 +6,7 @@ What development adds, all real: the GitHub stand-in (in this process) seeded wi
 installation on ``my-org``, a repository and the runner group ``omni-runner``; a loopback OCI
 registry with a busybox base image and a runner layer whose ``run.sh`` is the stand-in runner,
 both pinned by digest. The generated ``impvm.yaml`` (in the work directory) names the stand-in as
-GitHub, the App's key file, the registry as insecure, and the seed's minimal example with the two
+GitHub, the App's key file, the registry as insecure, and the minimal example with the two
 image placeholders replaced by the pushed digests as its class, template and pool; the service
 then runs the control plane, the operator and one agent from it exactly as ``impvm up`` does.
 
@@ -236,12 +236,14 @@ def dev_config(
     polling_interval_seconds: int | None = None,
     webhook_secret_file: Path | None = None,
     devnet: DevNetwork | None = None,
+    cosign: Path | None = None,
 ) -> dict[str, Any]:
     """The ``impvm.yaml`` of the development stack (see :mod:`impvm.up.config`): the stand-in
     as GitHub, the loopback registry, the process runtime's host binds, throwaway etcd data, and
-    (``images`` given) the seed's minimal example as its class, template and pool, the pool
-    using ``scaling_mode`` (the seed's polling by default). ``devnet``: VMs on isolated networks
-    that reach the stand-in there; without it VMs share the host's network."""
+    (``images`` given) the minimal example as its class, template and pool, the pool using
+    ``scaling_mode`` (the example's polling by default). ``devnet``: VMs on isolated networks
+    that reach the stand-in there; without it VMs share the host's network. ``cosign``: the
+    agent's cosign binary (None: on PATH)."""
     cfg: dict[str, Any] = {
         "dataDir": str(workdir),
         "github": {
@@ -261,6 +263,7 @@ def dev_config(
             "insecureRegistries": [registry],
             "readOnlyBinds": [str(p) for p in host_python_binds()],
             "metricsListen": f"127.0.0.1:{agent_metrics_port or free_port()}",
+            **({"cosign": str(cosign)} if cosign is not None else {}),
         },
         "kubernetes": {"apiPort": 0, "namespace": NAMESPACE, "etcdFsync": False},
     }
@@ -311,12 +314,15 @@ class StackConfig:
     agent_memory_mib: int = 32768
     polling_interval_seconds: int | None = None
     apply_example: bool = True
-    #: scaling.mode of the example pool: the seed's polling, or webhook/hybrid (the stand-in then
+    #: scaling.mode of the example pool: the example's polling, or webhook/hybrid (the stand-in then
     #: delivers signed workflow_job webhooks to the operator, losing ``webhook_drop_rate``)
     scaling_mode: str = "polling"
     webhook_drop_rate: float = 0.0
     #: start one agent (node-1); without it VMs are created but never run (benchmarks)
     start_agent: bool = True
+    #: cosign binary the agent verifies signed images with (None: ``cosign`` on PATH), e.g.
+    #: :func:`impvm.devstack.signing.cosign_binary`
+    cosign: Path | None = None
     #: guests on isolated networks, the stand-in in its own "internet" namespace
     #: (:class:`impvm.devstack.netns.DevNetwork`; needs root); None: when running as root
     isolated_network: bool | None = None
@@ -432,6 +438,7 @@ class Stack:
             polling_interval_seconds=self.config.polling_interval_seconds,
             webhook_secret_file=hook_file,
             devnet=self.devnet,
+            cosign=self.config.cosign,
         )
         self.config_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.service = Service(load_config(self.config_file), source=str(self.config_file))
@@ -492,10 +499,11 @@ class Stack:
         assert self.service is not None
         self.service.start_agent(node)
 
-    def start_operator(self) -> None:
-        """Start (or restart) the operator process."""
+    def start_operator(self, replica: int = 0, port: int | None = None) -> str:
+        """Start (or restart) an operator replica (``operator``, or ``operator-<replica>`` on
+        ``port``); returns its process name."""
         assert self.service is not None
-        self.service.start_operator()
+        return self.service.start_operator(replica, port)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Kill one process (``operator`` or ``agent-<node>``) and wait for it."""

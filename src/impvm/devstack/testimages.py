@@ -1,6 +1,6 @@
 """Build the development/test runner images from files and push them to a (loopback) registry.
 
-Two images follow the seed 001 runner image contract, shrunk to what a test needs:
+Two images follow the runner image contract (docs/images.md), shrunk to what a test needs:
 
 * base image ``imp/runner-base``: Debian's static busybox (package ``busybox-static``) as the
   userland (``/bin/busybox`` plus one symlink per applet in ``/bin``), ``/etc/passwd`` with the
@@ -10,7 +10,8 @@ Two images follow the seed 001 runner image contract, shrunk to what a test need
 
 Images are built with ``umoci`` (init/new/unpack/repack/config) into an OCI layout and pushed with
 ``skopeo copy oci:... docker://HOST:PORT/...`` (plain HTTP). The functions return references
-pinned by digest (seed 003), e.g. ``127.0.0.1:5000/imp/runner-base@sha256:...``.
+pinned by digest (OCI distribution spec), e.g.
+``127.0.0.1:5000/imp/runner-base@sha256:...``.
 
 Example::
 

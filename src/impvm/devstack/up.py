@@ -1,6 +1,6 @@
 """``impvm dev up``: ``impvm up`` (:func:`impvm.up.main.serve`) with a generated configuration
 (:mod:`impvm.devstack.stack`: the GitHub stand-in, a loopback registry with the test images, the
-seed's minimal example as the pool), shown live.
+minimal example as the pool), shown live.
 
 It prints the generated ``impvm.yaml`` and the ``KUBECONFIG`` to use, then the pool, its VMs, the
 runners GitHub knows and the jobs, refreshed every second. ``--jobs N`` queues N jobs matching
@@ -31,7 +31,7 @@ from impvm.statusview import cell, render, summarize
 from impvm.up.main import serve
 from impvm.up.service import Service
 
-MIN_IDLE = 1  # the seed example's minIdle
+MIN_IDLE = 1  # the minimal example's minIdle
 
 
 def _vm_table(vms: list[dict[str, Any]]) -> Table:

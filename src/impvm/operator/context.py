@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from lightkube import AsyncClient
 
-from impvm.api.models import PoolKey
+from impvm.api.models import AGENT_LEASE_NAMESPACE, PoolKey
 from impvm.api.times import Clock, as_clock
 from impvm.events import EventRecorder
 from impvm.github import RetryPolicy
@@ -18,7 +18,7 @@ from impvm.operator.credentials import GitHubProvider
 from impvm.operator.sources import KubeSource
 from impvm.scaling.jobtable import JobTable, PoolScope
 from impvm.scaling.timings import TimingWindow
-from impvm.scaling.world import BackoffState, PassSettings, PollState
+from impvm.scaling.world import BackoffState, PassSettings, PollState, WarmPoolMemory
 
 
 @dataclass
@@ -40,6 +40,8 @@ class PoolMemory:
     vm_class: str | None = None
     #: the pool's job timings of the last hour (:mod:`impvm.scaling.timings`)
     timings: TimingWindow = field(default_factory=TimingWindow)
+    #: the warm pool's arrivals read, last state written and runners counted ready
+    warm: WarmPoolMemory = field(default_factory=WarmPoolMemory)
 
 
 @dataclass
@@ -63,6 +65,17 @@ class OperatorSettings:
     runner_group_ttl: float = 300.0
     #: seconds past an agent Lease's duration before its node's VMs are given up
     node_lost_grace_seconds: float = 60.0
+    #: leader election: on (replicas > 1 safe) or off (one replica only); the Lease's name (in
+    #: the agents' Lease namespace) and duration; the URL this replica receives webhooks at
+    #: (written on the Lease while it leads, for standbys to forward to)
+    leader_elect: bool = True
+    leader_lease_name: str = "impvm-operator"
+    leader_lease_seconds: float = 15.0
+    advertise_url: str = ""
+    #: usernames of the agents' ServiceAccounts, the only callers given JIT configs
+    agent_service_accounts: tuple[str, ...] = (
+        f"system:serviceaccount:{AGENT_LEASE_NAMESPACE}:impvm-agent",
+    )
 
     def for_pass(self) -> PassSettings:
         """The tunables the pure pool pass reads."""
@@ -88,6 +101,9 @@ class OperatorContext:
     ) -> None:
         self.kube = kube
         self.settings = settings or OperatorSettings()
+        #: the fencing check (leader election): False from the moment this replica may no
+        #: longer act as leader; checked before every JIT mint
+        self.leading: Callable[[], bool] = lambda: True
         self.clock = as_clock(clock)
         self.pools: dict[PoolKey, PoolMemory] = {}
         self.jobs = JobTable()

@@ -67,7 +67,11 @@ class PlanExecutor:
         self.scope = scope_of(world.pool.spec.platform)
 
     async def run(self, plan: PoolPlan) -> Outcome:
-        """Every act of ``plan``, in order; returns what happened."""
+        """Every act of ``plan``, in order; returns what happened. A replica that is not the
+        leader (``ctx.leading``, the fencing check) acts on nothing."""
+        if not self.ctx.leading():
+            log.warning("pool %s/%s: not acting: not the leader", *self.key)
+            return Outcome()
         kube = self.ctx.kube
         for r in plan.releases:
             meta = {"resourceVersion": r.resource_version, "finalizers": list(r.finalizers)}
@@ -172,6 +176,9 @@ class PlanExecutor:
             await self._record(m.vm, m.secret)
             return None
         if self.gh is None:
+            return Outcome()
+        if not self.ctx.leading():  # fencing: a replica that lost its Lease mints nothing
+            log.warning("not minting a JIT config for %s/%s: not the leader", self.ns, m.vm)
             return Outcome()
         spec = self.world.pool.spec
         try:

@@ -1,17 +1,31 @@
-"""``impvm operator``: kopf (pool controller) plus the HTTP endpoint, in one event loop."""
+"""``impvm operator``: kopf (pool controller) plus the HTTP endpoint, in one event loop.
+
+With leader election (the default) every replica serves HTTP at once (``/healthz``, metrics,
+the JIT config hand-out; a standby forwards webhook deliveries to the leader) but only the
+leader runs kopf (pool passes, mints, reaper, pool deletion). A replica that loses the Lease
+exits at once (:mod:`impvm.operator.leader`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
+import uuid
 
 import kopf
 from lightkube import AsyncClient
 
 import impvm.operator.handlers  # noqa: F401 - registers the kopf handlers
+from impvm.api.models import AGENT_LEASE_NAMESPACE
 from impvm.operator import http
 from impvm.operator.context import OperatorContext, OperatorSettings
+from impvm.operator.jithandout import JitHandout
+from impvm.operator.leader import LeaderElector, Timing
+from impvm.operator.standby import LeaderGate
 from impvm.operator.webhooks import WebhookReceiver
+
+log = logging.getLogger("impvm.operator")
 
 
 async def run(
@@ -24,17 +38,57 @@ async def run(
     from ``KUBECONFIG`` or the in-cluster ServiceAccount (kopf's and lightkube's discovery)."""
     kube = AsyncClient(field_manager="impvm-operator")
     ctx = OperatorContext(kube, settings)
-    runner = await http.start(http.make_app(WebhookReceiver(ctx).handle), http_host, http_port)
-    logging.getLogger("impvm.operator").info("HTTP on %s:%d", http_host, http_port)
-    try:
-        await kopf.operator(
-            clusterwide=not namespaces,
-            namespaces=namespaces,
-            standalone=True,
-            memo=kopf.Memo(ctx=ctx),
+    handout = JitHandout(kube, frozenset(settings.agent_service_accounts))
+    elector: LeaderElector | None = None
+    webhook: http.WebhookHandler = WebhookReceiver(ctx).handle
+    gate: LeaderGate | None = None
+    if settings.leader_elect:
+        lease = settings.leader_lease_seconds
+        elector = LeaderElector(
+            kube,
+            AGENT_LEASE_NAMESPACE,
+            settings.leader_lease_name,
+            f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}",
+            url=settings.advertise_url,
+            timing=Timing(lease, lease * 2 / 3, lease / 7.5),  # client-go's 15/10/2
         )
+        ctx.leading = elector.leading
+        gate = LeaderGate(webhook, elector.leading, lambda: elector.leader_url if elector else "")
+        webhook = gate.handle
+    app = http.make_app(webhook, handout.handle, ctx.leading)
+    runner = await http.start(app, http_host, http_port)
+    log.info("HTTP on %s:%d", http_host, http_port)
+    try:
+        if elector is not None:
+            log.info("standby: waiting for Lease %s", settings.leader_lease_name)
+            await elector.acquire()
+        work = asyncio.create_task(
+            kopf.operator(
+                clusterwide=not namespaces,
+                namespaces=namespaces,
+                standalone=True,
+                memo=kopf.Memo(ctx=ctx),
+            )
+        )
+        if elector is None:
+            await work
+            return
+        hold = asyncio.create_task(elector.hold())
+        await asyncio.wait({work, hold}, return_when=asyncio.FIRST_COMPLETED)
+        if hold.done():
+            # Stop all work at once, as kube-controller-manager does: a new leader may start
+            # any moment now. Mints are fenced already (ctx.leading is False).
+            log.error("lost the leader Lease: exiting")
+            logging.shutdown()
+            os._exit(1)
+        hold.cancel()
+        await work
     finally:
+        if elector is not None:
+            await elector.release()
         await runner.cleanup()
+        if gate is not None:
+            await gate.close()
         await ctx.close()
         await kube.close()
 

@@ -1,5 +1,5 @@
-"""impvm.reaper: the pure decision table for runner VMs that outlive their job (seed 004,
-issue 7). No I/O; see :mod:`impvm.reaper.table`."""
+"""impvm.reaper: the pure decision table for runner VMs that outlive their job (after ARC's
+proposed runner reaper). No I/O; see :mod:`impvm.reaper.table`."""
 
 from impvm.reaper.table import (
     DEFAULT_COMPLETED_GRACE_SECONDS,

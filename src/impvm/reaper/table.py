@@ -7,8 +7,8 @@ Pure (no I/O, no clock). Two steps, so the caller knows which VMs need GitHub re
    GitHub call is made for it**; otherwise the :class:`Lookup` says which run (and job) to read.
 2. :func:`judge` ``(ReapVM, RunInfo, JobInfo | None, now, ...) -> Verdict`` over what GitHub said.
 
-The table (seed 004, "feat(arc): add an optional reaper for runner pods that outlive their job";
-issue 7), first matching row wins:
+The table (after the ARC pull request "feat(arc): add an optional reaper for runner pods that
+outlive their job"), first matching row wins:
 
 ====  ===========================================================  ==========  ============
 row   condition                                                    action      rule
@@ -26,8 +26,8 @@ row   condition                                                    action      r
 ====  ===========================================================  ==========  ============
 
 A VM is only deleted on a positive answer from GitHub: when the run or job cannot be read the
-caller reports :func:`lookup_failed` (not judged) and leaves the VM alone (seed 004, failure
-behaviour). Durations are seconds; datetimes must be timezone-aware.
+caller reports :func:`lookup_failed` (not judged) and leaves the VM alone (ARC's reaper
+proposal, failure behaviour). Durations are seconds; datetimes must be timezone-aware.
 
 GitHub's workflow run ``status`` is ``completed`` for every finished run, whatever its
 ``conclusion`` (success, failure, **cancelled**, timed_out, skipped, ...); a run has no
@@ -64,7 +64,7 @@ __all__ = [
     "parse_run_id",
 ]
 
-#: Default of ``spec.reaper.completedGraceSeconds`` (issue 7).
+#: Default of ``spec.reaper.completedGraceSeconds``.
 DEFAULT_COMPLETED_GRACE_SECONDS = 300
 #: Default of ``spec.reaper.maxJobSeconds`` (``ReaperSpec``: 6 hours, GitHub's job limit on
 #: hosted runners).
@@ -280,8 +280,8 @@ def needs_lookup(vm: ReapVM) -> Lookup | Verdict:
     """Rows 1-3: a :class:`Verdict` needing no GitHub call, or the :class:`Lookup` to make.
 
     Being deleted -> keep; no job recorded -> keep (idle); a job recorded but the run id not a
-    positive integer or the repository not ``owner/name`` -> not judged. Source: seed 004
-    ("never touches an idle runner or one it could not judge"), issue 7.
+    positive integer or the repository not ``owner/name`` -> not judged. Source: ARC's reaper
+    proposal ("never touches an idle runner or one it could not judge").
     """
     if vm.deleting:
         return Verdict(
@@ -308,9 +308,9 @@ def needs_lookup(vm: ReapVM) -> Lookup | Verdict:
 
 
 def lookup_failed(vm: ReapVM, lookup: Lookup, error: str) -> Verdict:
-    """Verdict for a VM whose run or job could not be read: not judged, never deleted (seed 004:
-    "if one runner's run or jobs cannot be read, that runner is left alone"). ``error`` must not
-    hold a secret (it is put in the reason)."""
+    """Verdict for a VM whose run or job could not be read: not judged, never deleted (ARC's
+    reaper proposal: "if one runner's run or jobs cannot be read, that runner is left alone").
+    ``error`` must not hold a secret (it is put in the reason)."""
     return Verdict(
         action=Action.NOT_JUDGED,
         rule=Rule.LOOKUP_FAILED,
@@ -333,7 +333,7 @@ def judge(
     or GitHub did not return it); ``now``: the pass's clock reading; ``max_job_seconds`` and
     ``completed_grace_seconds`` in seconds (``spec.reaper``). Completed counts once completed for
     *at least* the grace (``>=``); a job is too long once running *more than* the bound (``>``).
-    Rows 1-3 are re-checked here, so ``judge`` alone is safe to call. Source: seed 004, issue 7.
+    Rows 1-3 are re-checked here, so ``judge`` alone is safe to call. Source: ARC's reaper proposal.
     """
     first = needs_lookup(vm)
     if isinstance(first, Verdict):

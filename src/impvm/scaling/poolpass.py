@@ -13,13 +13,17 @@ Pure and deterministic: everything comes from the :class:`~impvm.scaling.world.P
   delete (deregistering first where the sizing says so), the JIT configs to mint and the
   registrations to remove, and whether GitHub may be called at all (backoff);
 * the VM status records (runner and job, as GitHub and the job table say);
+* the warm pool (:func:`warm_pool`): the events it folds into ``status.warmPool`` and the
+  target that is the sizing's ``minIdle``;
 * the whole pool status and its conditions, the GitHub-error -> condition mapping
   (:func:`github_condition`), the Events, the backoff and when to pass again.
 
 Failure boundaries (Kubernetes API conventions: conditions say what is wrong; GitHub REST docs,
 "Troubleshooting the REST API" and "Rate limits for the REST API" for the error classes):
 
-- template or class missing -> ``TemplateMissing`` True, ``Ready`` False, pass again in 30 s;
+- template or class missing, or the signing key a template requires unusable (``VerifyKeyMissing``:
+  no VM is made, it would boot unverified images) -> ``TemplateMissing`` True, ``Ready`` False,
+  pass again in 30 s;
 - credentials Secret missing or incomplete -> ``CredentialsInvalid`` (``CredentialsError``);
 - 401 -> ``CredentialsInvalid`` (``BadCredentials``); a permission not granted ->
   ``CredentialsInvalid`` (``PermissionNotGranted``);
@@ -48,7 +52,9 @@ from impvm.api.models import (
     POOL_LABEL,
     TEMPLATE_HASH_ANNOTATION,
     TERMINAL_PHASES,
+    ScalingSpec,
     VMPhase,
+    WarmPoolStatus,
 )
 from impvm.api.times import k8s_time
 from impvm.scaling.names import owns_runner_name, secret_name, template_hash
@@ -62,7 +68,24 @@ from impvm.scaling.pool import (
     parse_demand,
 )
 from impvm.scaling.pool import decide as size
-from impvm.scaling.world import BackoffState, GitHubFailure, PollState, PoolObj, PoolWorld, VMObj
+from impvm.scaling.warmpool import (
+    JobQueued,
+    RunnerReady,
+    WarmPoolDecision,
+    WarmPoolEvent,
+    WarmPoolPolicy,
+    WarmPoolState,
+    warm_pool_target,
+)
+from impvm.scaling.world import (
+    BackoffState,
+    GitHubFailure,
+    PollState,
+    PoolObj,
+    PoolWorld,
+    VMObj,
+    WarmPoolMemory,
+)
 
 __all__ = [
     "CONDITION_TYPES",
@@ -84,6 +107,8 @@ __all__ = [
     "poll_wanted",
     "settle",
     "vm_manifest",
+    "warm_policy",
+    "warm_pool",
 ]
 
 #: Condition types the pool pass owns (the reaper owns ``Reaper``).
@@ -204,7 +229,8 @@ class Settlement:
     """The end of a pass: the pool status fields this controller owns (``status``), its
     conditions (``conditions``, to merge into what is stored), whether that differs from what is
     stored (``write``), the Events, the backoff and poll state to keep, the seconds until the next
-    pass, and the counts (with the VMs created) for metrics."""
+    pass, the counts (with the VMs created) for metrics, and the warm pool's memory to keep once
+    the status is written (None: the pass decided no warm pool)."""
 
     status: Mapping[str, Any]
     conditions: tuple[Mapping[str, Any], ...]
@@ -214,6 +240,7 @@ class Settlement:
     poll: PollState = field(default_factory=PollState)
     requeue: float = 10.0
     counts: Counts | None = None
+    warm: WarmPoolMemory | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -222,7 +249,9 @@ class PoolPlan:
     ``registrations``, ``mints``, ``create`` new VMs (each minted at once), then ``sync`` (VM
     runner/job records). ``use_github``: whether GitHub may be called for mints and creations.
     ``poll``: poll first and decide again (nothing else is in such a plan). ``settlement``: the
-    end of the pass if every act succeeds (the shell settles again with the real outcome)."""
+    end of the pass if every act succeeds (the shell settles again with the real outcome).
+    ``warm``: the warm pool's decision (its target is ``sizing``'s minIdle) and the memory
+    it leaves."""
 
     poll: PollRequest | None = None
     sizing: ScalePlan | None = None
@@ -236,6 +265,7 @@ class PoolPlan:
     sync: tuple[VMStatusPatch, ...] = ()
     use_github: bool = False
     events: tuple[EventSpec, ...] = ()
+    warm: tuple[WarmPoolDecision, WarmPoolMemory] | None = None
     settlement: Settlement | None = None
 
     @property
@@ -288,13 +318,15 @@ def current_template_hash(world: PoolWorld) -> str | None:
         expire_after=spec.expire_after or t.spec.expire_after,
         allow_unpinned=bool(spec.allow_unpinned_images or t.spec.allow_unpinned_images),
         network=spec.network.wire() if spec.network is not None else None,
+        verify_key=world.verify_key.fingerprint if world.verify_key is not None else None,
     )
 
 
 def _new_vm(world: PoolWorld, digest: str) -> NewVM:
     """A VM from the template: ephemeral, labelled, class and image copied; runnerLayer and
     expireAfter from the pool, else the template; the pool's egress policy copied (the class's
-    applies too, see :mod:`impvm.agent.network`)."""
+    applies too, see :mod:`impvm.agent.network`); the template's signing key as
+    ``verify.publicKey`` (the agent verifies against the VM's own spec)."""
     assert world.template is not None
     t, pool = world.template.spec, world.pool.spec
     spec: dict[str, Any] = {"classRef": {"name": t.class_ref.name}, "image": t.image}
@@ -307,6 +339,8 @@ def _new_vm(world: PoolWorld, digest: str) -> NewVM:
         spec["expireAfter"] = expire
     if pool.network is not None:
         spec["network"] = pool.network.wire()
+    if world.verify_key is not None:
+        spec["verify"] = {"publicKey": world.verify_key.pem}
     return NewVM(
         spec=spec,
         labels={POOL_LABEL: world.pool.name},
@@ -519,16 +553,100 @@ def _sync(world: PoolWorld, skip: set[str], minted: set[str]) -> tuple[VMStatusP
 
 
 # --------------------------------------------------------------------------------------------
+# Warm pool
+
+_TICK = dt.timedelta(microseconds=1)
+
+
+def warm_policy(scaling: ScalingSpec | None) -> WarmPoolPolicy:
+    """:meth:`WarmPoolPolicy.from_spec` of ``spec.scaling``. Raises ValueError naming the
+    field (``spec.scaling`` itself when it is missing)."""
+    if scaling is None:
+        raise ValueError("spec.scaling is required")
+    return WarmPoolPolicy.from_spec(scaling)
+
+
+def _warm_state(world: PoolWorld) -> WarmPoolState:
+    """The newer of ``status.warmPool`` and what the last pass wrote (a read of the pool can
+    lag behind our own write)."""
+    stored = WarmPoolState.from_status(world.pool.status.warm_pool)
+    kept = world.warm.state
+    if kept is None or kept.updated_at is None:
+        return stored
+    if stored.updated_at is None or kept.updated_at > stored.updated_at:
+        return kept
+    return stored
+
+
+def warm_pool(world: PoolWorld, policy: WarmPoolPolicy) -> tuple[WarmPoolDecision, WarmPoolMemory]:
+    """The warm pool of this pass: its decision (target, new state) and the memory to keep.
+
+    Events (:mod:`impvm.scaling.warmpool`), each stamped after ``state.updated_at`` so it is
+    folded in exactly once:
+
+    - a :class:`JobQueued` per job-table arrival routed to the pool numbered above the memory's
+      cursor, at its observation time (an arrival recorded after a later pass, as a poll's
+      jobs are, at the instant after ``updated_at``);
+    - a :class:`RunnerReady` per VM whose runner GitHub reports online (or busy) for the first
+      time: its recorded runner never was and the memory has not counted it; ``seconds`` from
+      the VM's creation to this pass, stamped ``now``.
+    """
+    state = _warm_state(world)
+    since, now = state.updated_at, world.now
+
+    def after(t: dt.datetime) -> dt.datetime:
+        return t if since is None or t > since else since + _TICK
+
+    mem = world.warm
+    events: list[WarmPoolEvent] = [
+        JobQueued(after(a.at)) for a in world.arrivals if a.seq > mem.cursor
+    ]
+    cursor = max([mem.cursor, world.arrivals_read, *(a.seq for a in world.arrivals)])
+    names = {vm.name for vm in world.vms}
+    ready = set(mem.ready & names)
+    up = {r.name for r in world.github.runners or () if r.online or r.busy}
+    for vm in sorted(world.vms, key=lambda v: v.name):
+        cur = vm.status.runner
+        if vm.name not in up or vm.name in ready:
+            continue
+        ready.add(vm.name)
+        if cur is not None and (cur.online or cur.busy):
+            continue  # counted before (by an earlier operator run)
+        seconds = max(0.0, (now - vm.created_at).total_seconds())
+        events.append(RunnerReady(after(now), seconds))
+    decision = warm_pool_target(policy, state, events, now)
+    return decision, WarmPoolMemory(cursor=cursor, state=decision.state, ready=frozenset(ready))
+
+
+def _warm_status(decision: WarmPoolDecision) -> dict[str, Any]:
+    """``status.warmPool`` as written: a field that is now unset is sent as null (a merge
+    patch removes it)."""
+    wire = decision.status().wire()
+    wire.setdefault("activeSchedule", None)
+    return wire
+
+
+def _differs(stored: Mapping[str, Any], key: str, value: Any) -> bool:
+    if key == "warmPool":  # compared as values: the API server may spell a time differently
+        have = stored.get(key)
+        return have is None or WarmPoolStatus.model_validate(have) != WarmPoolStatus.model_validate(
+            value
+        )
+    return bool(stored.get(key) != value)
+
+
+# --------------------------------------------------------------------------------------------
 # Decide
 
 
 def decide(world: PoolWorld) -> PoolPlan:
     """Decide one pass of ``world.pool`` (see the module docstring). Shape:
     ``PoolWorld -> PoolPlan``. A plan with ``poll`` set asks for a poll and nothing else."""
-    if world.template is None or world.vm_class is None:
+    if world.template is None or world.vm_class is None or world.verify_key_problem:
         return _finish(world, PoolPlan())
     try:
         limits = PoolLimits.from_spec(world.pool.spec)
+        policy = warm_policy(world.pool.spec.scaling)
     except ValueError as e:
         return _finish(world, PoolPlan(events=(EventSpec("InvalidSpec", str(e), True),)))
     why = poll_wanted(world)
@@ -551,6 +669,8 @@ def decide(world: PoolWorld) -> PoolPlan:
     assert digest is not None
     prefix = world.pool.prefix
     runners = world.github.runners
+    warm = warm_pool(world, policy)
+    limits = replace(limits, min_idle=warm[0].target)
     snapshot = PoolSnapshot(
         limits=limits,
         now=world.now,
@@ -608,6 +728,7 @@ def decide(world: PoolWorld) -> PoolPlan:
         sync=_sync(world, deleted, {m.vm for m in mints if m.record_only}),
         use_github=use_github,
         events=tuple(events),
+        warm=warm,
     )
     return _finish(world, plan)
 
@@ -633,11 +754,14 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
     events: list[EventSpec] = list(plan.events)
     status: dict[str, Any] = {"observedGeneration": pool.generation}
 
-    if world.template is None or world.vm_class is None:
+    if world.template is None or world.vm_class is None or world.verify_key_problem:
         tname, ns = pool.spec.template_name, pool.namespace
         if world.template is None:
             reason = "NotFound"
             msg = f"ImpVMTemplate {tname!r} not found in namespace {ns}; retrying in 30s"
+        elif world.verify_key_problem:  # fail closed: a VM without its key would boot unverified
+            reason = "VerifyKeyMissing"
+            msg = f"ImpVMTemplate {tname!r}: {world.verify_key_problem}; retrying in 30s"
         else:
             reason = "ClassNotFound"
             cname = world.template.spec.class_ref.name
@@ -748,6 +872,14 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
     c = replace(c, total=c.total + created)  # with the VMs this pass made
     status.update(starting=c.starting, idle=c.idle, busy=c.busy, total=c.total)
     status.update(desired=c.desired, pendingJobs=c.pending, outdated=c.outdated)
+    warm_memory = None
+    if plan.warm is not None:
+        decision, warm_memory = plan.warm
+        status["warmPool"] = _warm_status(decision)
+        was = pool.status.warm_pool.target if pool.status.warm_pool else None
+        if was is not None and was != decision.target:
+            text = f"warm pool target {was} -> {decision.target}: {decision.reason}"
+            events.append(EventSpec("WarmPoolResized", text[:1000]))
     if created:
         status["lastScaleUpTime"] = k8s_time(now)
         events.append(
@@ -791,7 +923,7 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
     requeue = s.busy_resync_seconds if busy else s.resync_seconds
     if not backoff.ready(mono):
         requeue = min(requeue, max(1.0, _wait(backoff, mono)))
-    return _settlement(world, status, conds, events, backoff, poll, requeue, c)
+    return _settlement(world, status, conds, events, backoff, poll, requeue, c, warm_memory)
 
 
 def waiting_for_a_node(world: PoolWorld) -> int:
@@ -834,13 +966,14 @@ def _settlement(
     poll: PollState,
     requeue: float,
     counts: Counts | None = None,
+    warm: WarmPoolMemory | None = None,
 ) -> Settlement:
     stored = world.pool.stored_status
     stored_conds = list(stored.get("conditions") or [])
     write = (
         # lastPoll and rateLimit change every pass: written along with a real change
         any(
-            stored.get(k) != v
+            _differs(stored, k, v)
             for k, v in status.items()
             if k not in ("lastPoll", "rateLimit", "timings")
         )
@@ -857,4 +990,5 @@ def _settlement(
         poll=poll,
         requeue=requeue,
         counts=counts,
+        warm=warm,
     )

@@ -133,6 +133,11 @@ class AgentConfig(_Model):
     )
     qemu_kernel: Path | None = Field(default=None, alias="qemuKernel")
     qemu_accelerator: Literal["auto", "kvm", "tcg"] = Field(default="auto", alias="qemuAccelerator")
+    cosign: Path | None = Field(
+        default=None,
+        description="cosign binary verifying signed images (templates with spec.verify); "
+        "default: cosign on PATH.",
+    )
     read_only_binds: list[Path] = Field(
         default_factory=list,
         alias="readOnlyBinds",

@@ -8,6 +8,7 @@ Data directory (mode 0700)::
     controlplane/        certificates (made once), etcd data, ports.json, component logs
     controlplane/kubeconfig   admin kubeconfig (kubectl --kubeconfig ... get imprp,impvm)
     operator.kubeconfig, agent.kubeconfig   the components' identities (client certificates)
+    agent-<node>.token   the agent's node-bound token for the operator's JIT config hand-out
     agent-<node>/        image cache and per-VM scratch
     operator.log, agent-<node>.log
 
@@ -41,14 +42,14 @@ from lightkube.core.exceptions import ApiError
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace, Secret
 
-from impvm.api.models import AGENT_LEASE_NAMESPACE
+from impvm.api.models import AGENT_LEASE_NAMESPACE, JIT_HANDOUT_AUDIENCE
 from impvm.api.resources import (
     ImpVMClassResource,
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
 from impvm.devstack.controlplane import ControlPlane
-from impvm.devstack.kube import admin_client, install_crds
+from impvm.devstack.kube import admin_client, install_crds, node_bound_token
 from impvm.up.config import APP_SECRET, WEBHOOK_SECRET, ConfigError, UpConfig
 
 FIELD_MANAGER = "impvm-up"
@@ -92,6 +93,8 @@ class Service:
     kubeconfigs: dict[str, Path] = field(default_factory=dict)
     _argv: dict[str, tuple[list[str], str]] = field(default_factory=dict)
     _restarts: dict[str, _Restart] = field(default_factory=dict)
+    #: node -> monotonic time its agent's hand-out token was last requested
+    _tokens: dict[str, float] = field(default_factory=dict)
 
     @property
     def data_dir(self) -> Path:
@@ -300,6 +303,8 @@ class Service:
             args += ["--memory-mib", str(a.memory_mib)]
         if a.qemu_kernel:
             args += ["--qemu-kernel", str(a.qemu_kernel)]
+        if a.cosign:
+            args += ["--cosign", str(a.cosign)]
         for r in a.insecure_registries:
             args += ["--insecure-registry", r]
         for p in a.read_only_binds:
@@ -321,11 +326,50 @@ class Service:
         ]
         for d in a.guest_dns or []:
             args += ["--guest-dns", d]
+        host, port = self.config.listen()
+        url = f"http://{_near(host)}:{port}"
+        args += ["--operator-url", url, "--token-file", str(self._token(node))]
         self._spawn(f"agent-{node}", args, "agent")
 
-    def start_operator(self) -> None:
-        """Start (or restart) the operator."""
-        host, port = self.config.listen()
+    def _token_path(self, node: str) -> Path:
+        return self.data_dir / f"agent-{node}.token"
+
+    def _token(self, node: str) -> Path:
+        """Write the agent's hand-out token for ``node`` (what the kubelet projects into a
+        DaemonSet pod): a TokenRequest for the agent ServiceAccount with the audience the
+        operator checks, bound to a Node object ``node`` (created when missing), so the API
+        server vouches for the node (``authentication.kubernetes.io/node-name``). Valid a
+        day; :meth:`supervise` renews it hourly. Returns the file (mode 0600)."""
+        assert self.control_plane is not None, "start() first"
+        token = node_bound_token(
+            admin_client(self.control_plane.kubeconfig),
+            SYSTEM_NAMESPACE,
+            "impvm-agent",
+            node,
+            JIT_HANDOUT_AUDIENCE,
+            labels=dict(MANAGED_BY),
+        )
+        path = self._token_path(node)
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+        os.replace(tmp, path)  # the agent never reads half a token
+        self._tokens[node] = time.monotonic()
+        return path
+
+    def _renew_tokens(self, now: float) -> None:
+        for node, at in list(self._tokens.items()):
+            if now - at > 3600 and f"agent-{node}" in self.procs:
+                self._token(node)
+
+    def start_operator(self, replica: int = 0, port: int | None = None) -> str:
+        """Start (or restart) an operator replica: ``operator`` on the configured address, or
+        ``operator-<replica>`` on ``port`` of the same host (the replicas elect a leader).
+        Returns the process name."""
+        host, listen_port = self.config.listen()
+        port = listen_port if port is None else port
+        name = "operator" if replica == 0 else f"operator-{replica}"
         args = [
             "operator",
             "--http-host",
@@ -334,10 +378,13 @@ class Service:
             str(port),
             "--node-lost-grace-seconds",
             str(self.config.operator.node_lost_grace_seconds),
+            "--advertise-url",
+            f"http://{_near(host)}:{port}",
         ]
         if self.config.github.api_url:
             args += ["--github-api-url", self.config.github.api_url]
-        self._spawn("operator", args, "operator")
+        self._spawn(name, args, "operator")
+        return name
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal one process (``operator`` or ``agent-<node>``) and its session, and wait for
@@ -378,6 +425,7 @@ class Service:
         1, 2, 4 … 60 s (reset once it ran for 10 minutes), and return what was done; otherwise
         raise ``RuntimeError`` naming the first dead process with its log tail."""
         now = time.monotonic() if now is None else now
+        self._renew_tokens(time.monotonic())
         done: list[str] = []
         for r in self._restarts.values():
             if r.due == 0.0 and r.count and now - r.started > 600:
@@ -413,6 +461,13 @@ class Service:
             self.kube = None
         if self.control_plane is not None:
             await asyncio.to_thread(self.control_plane.stop)
+
+
+def _near(host: str) -> str:
+    """How a process on this machine reaches a server listening on ``host`` (URL form)."""
+    if host in ("", "0.0.0.0", "::"):  # noqa: S104 - the address it listens on, not ours
+        host = "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
 
 
 def _one_line(e: ApiError) -> str:

@@ -5,7 +5,7 @@
 # k8s.io/kubernetes requires its staging modules at v0.0.0 with replace directives to ./staging,
 # which a dependent module ignores; so a throwaway module pins each staging module to the matching
 # v0.N.P release (read from the downloaded go.mod, never hard-coded). etcd's server module is built
-# the same way. See ../shared/notes/control-plane-binaries.md.
+# the same way.
 set -euo pipefail
 
 K8S_VERSION="${IMPVM_K8S_VERSION:-v1.34.4}"

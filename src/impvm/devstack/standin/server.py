@@ -21,7 +21,7 @@ Control API (tests and the embedded stack), JSON bodies:
 * ``POST /_standin/installations/{id}`` ``{"suspended"?, "removed"?, "permissions"?}``
 * ``POST /_standin/rate-limit`` ``{"identity"?, "remaining", "reset_in", "limit"?}``
 * ``GET /_standin/requests`` (method, templated path, status, identity, permissions for token
-  requests), ``DELETE /_standin/requests``
+  requests, runner name for JIT config requests), ``DELETE /_standin/requests``
 * ``POST /_standin/webhooks`` ``{"url", "secret"}``, ``GET /_standin/deliveries``
 
 Stand-in private runner protocol (not GitHub's broker protocol), authenticated with the session
@@ -415,6 +415,7 @@ async def _jit(request: web.Request, org: str | None, repo: str | None) -> web.R
     name = body.get("name")
     labels = body.get("labels")
     group_id = body.get("runner_group_id")
+    state.requests[-1]["runner_name"] = name  # each VM's mints are counted by its runner name
     if not isinstance(name, str) or not name:
         raise ApiError(422, 'Invalid request.\n\n"name" wasn\'t supplied.')
     if len(name) > MAX_RUNNER_NAME:
