@@ -23,6 +23,7 @@ from impvm.agent.lifecycle import (
     Claim,
     Cleanup,
     Emit,
+    KeepConsole,
     LocalFacts,
     PatchStatus,
     Policy,
@@ -34,6 +35,7 @@ from impvm.agent.lifecycle import (
     VMObservation,
     VMRecord,
     Why,
+    console_tail,
     decide,
     holds_capacity,
 )
@@ -464,7 +466,11 @@ def test_rung(
 def test_claim_binds_reports_and_tells() -> None:
     action = decide(observe(record(node=None, finalizer=False)))
     assert action.steps[0] == Claim(SIZE)
-    assert status_of(action) == {"phase": "Scheduled", "nodeName": NODE}
+    assert status_of(action) == {
+        "phase": "Scheduled",
+        "nodeName": NODE,
+        "timings": {"scheduledAt": k8s_time(NOW)},
+    }
     assert events_of(action) == [("Scheduled", False)]
 
 
@@ -518,6 +524,7 @@ def test_exit_reports() -> None:
         "exitCode": 0,
         "exitReason": "Completed",
         "finishedAt": k8s_time(NOW),
+        "timings": {"finishedAt": k8s_time(NOW)},
     }
     assert events_of(ok) == [("Succeeded", False)]
     bad = decide(observe(vm, "exited-3"))
@@ -526,11 +533,48 @@ def test_exit_reports() -> None:
         "exitCode": 3,
         "exitReason": "Error",
         "finishedAt": k8s_time(NOW),
+        "timings": {"finishedAt": k8s_time(NOW)},
         "message": "line\nboom",
+        "consoleTail": "line\nboom",
     }
     assert events_of(bad) == [("Failed", True)]
     killed = decide(observe(vm, RuntimeState("exited")))
     assert status_of(killed)["exitCode"] == -1
+
+
+@pytest.mark.parametrize(
+    ("vm", "runtime", "stopped"),
+    [
+        (record(phase="Running", started_at=NOW), "exited-3", False),  # the runner failed
+        (  # the start timed out: stopped first, so the kept console is complete
+            record(phase="Starting", started_at=NOW - timedelta(seconds=301)),
+            RuntimeState("starting", started_at=NOW, log_tail="booting\nhung"),
+            True,
+        ),
+    ],
+)
+def test_a_failed_vm_keeps_its_console_and_says_where(
+    vm: VMRecord, runtime: RuntimeState | str, stopped: bool
+) -> None:
+    obs = replace(observe(vm, runtime), policy=replace(POLICY, console_dir="/var/lib/impvm/c"))
+    act = decide(obs)
+    path = f"/var/lib/impvm/c/{vm.vm_id}.log"
+    steps = kinds(act)
+    assert steps[-1] == "Cleanup" and steps.index("KeepConsole") < steps.index("PatchStatus")
+    assert (steps.index("Stop") < steps.index("KeepConsole")) if stopped else "Stop" not in steps
+    assert [s.path for s in act.steps if isinstance(s, KeepConsole)] == [path]
+    status = status_of(act)
+    assert status["consoleLog"] == f"{NODE}:{path}" and status["consoleTail"]
+    (kept,) = [s for s in act.steps if isinstance(s, Emit) and s.reason == "ConsoleLogKept"]
+    assert f"on node {NODE} at {path};" in kept.message and not kept.warning
+    assert f"impvm logs -n {vm.namespace} {vm.name}" in kept.message
+
+
+def test_console_tail_is_bounded() -> None:
+    text = "\n".join(f"line {i} " + "x" * 300 for i in range(100))
+    tail = console_tail(text)
+    assert len(tail) <= 2000 and tail.endswith("x" * 300) and "line 99" in tail
+    assert console_tail("a\nb") == "a\nb"
 
 
 def test_failures_name_their_reason_and_bound_their_message() -> None:

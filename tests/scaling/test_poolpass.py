@@ -426,8 +426,12 @@ def test_runner_records_follow_github_and_a_vanished_registration_is_offline() -
     plan = decide(world(vms, (reg(1, "aaaaaa", online=True),)))
     by = {p.name: dict(p.status) for p in plan.sync}
     assert by[PREFIX + "aaaaaa"] == {
-        "runner": {"id": 1, "name": PREFIX + "aaaaaa", "online": True, "busy": False}
+        "runner": {"id": 1, "name": PREFIX + "aaaaaa", "online": True, "busy": False},
+        # first seen online: when, and the registration time it took (created 10 s ago)
+        "timings": {"createdAt": "2026-03-01T11:59:50Z", "runnerOnlineAt": "2026-03-01T12:00:00Z"},
     }
+    observed = {p.name: p.observe for p in plan.sync}
+    assert observed[PREFIX + "aaaaaa"] == (("runnerRegistration", 10.0),)
     assert by[PREFIX + "bbbbbb"] == {"runner": {"online": False, "busy": False}}
 
 
@@ -438,7 +442,7 @@ def test_the_job_a_runner_took_is_recorded_once() -> None:
         repository="octo/app",
         labels=("imp",),
         status="in_progress",
-        seen_at=NOW,
+        seen_at=ago(10),
         runner_name=PREFIX + "aaaaaa",
         started_at=ago(3),
     )
@@ -454,8 +458,13 @@ def test_the_job_a_runner_took_is_recorded_once() -> None:
             "workflowRunId": 5,
             "repository": "octo/app",
             "startedAt": "2026-03-01T11:59:57Z",
-        }
+        },
+        "timings": {
+            "jobQueuedAt": "2026-03-01T11:59:50Z",
+            "jobStartedAt": "2026-03-01T11:59:57Z",
+        },
     }
+    assert patch.observe == (("jobPickup", 7.0),) and job.wait_seconds == 7.0
     assert [p for p in decide(apply(w, decide(w))).sync if "job" in p.status] == []
 
 
@@ -730,3 +739,48 @@ def test_manifests_make_the_pool_own_its_vms_and_each_vm_its_secret() -> None:
     (owner,) = sec["metadata"]["ownerReferences"]
     assert (owner["kind"], owner["name"], owner["uid"]) == ("ImpVM", mint.vm, "u-1")
     assert sec["data"] == {"jitconfig": "ZTMwPQ=="}
+
+
+def node_lease(node: str, used_vcpu: int, used_mem: int) -> NodeLease:
+    annotations = {
+        "imp.dev/vcpu": "4",
+        "imp.dev/memory-mib": "4096",
+        "imp.dev/vcpu-used": str(used_vcpu),
+        "imp.dev/memory-mib-used": str(used_mem),
+    }
+    return NodeLease.parse(node, ago(3), 40, annotations)
+
+
+def conditions_of(done: Any) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in done.conditions}
+
+
+def test_unbound_vm_that_fits_on_no_node_makes_the_pool_unschedulable() -> None:
+    vms = (vm("aaaaaa", phase=None, created=60), vm("bbbbbb", phase=None, created=2))
+    w = world(vms, (), leases=(node_lease("node-1", 3, 1024),))
+    done = settle(w, decide(w), Outcome())
+    cond = conditions_of(done)["Unschedulable"]
+    assert (cond["status"], cond["reason"]) == ("True", "InsufficientCapacity")
+    # only the VM unclaimed for long enough counts; the class needs 2 vCPU, 2048 MiB
+    assert cond["message"] == (
+        "1 VM(s) wait for a node: each needs 2 vCPU, 2048 MiB; node-1 1/4 vCPU, 3072/4096 MiB free"
+    )
+    (ev,) = [e for e in done.events if e.reason == "Unschedulable"]
+    assert ev.warning and ev.message == cond["message"]
+    # capacity freed: the condition clears, without another Event
+    w2 = world(
+        vms,
+        (),
+        leases=(node_lease("node-1", 0, 0),),
+        pool=pool_obj(status={"conditions": list(done.conditions)}),
+    )
+    done2 = settle(w2, decide(w2), Outcome())
+    cond2 = conditions_of(done2)["Unschedulable"]
+    assert (cond2["status"], cond2["reason"]) == ("False", "Schedulable")
+    assert not [e for e in done2.events if e.reason == "Unschedulable"]
+
+
+def test_no_agent_at_all_is_unschedulable() -> None:
+    w = world((vm("aaaaaa", phase=None, created=60),), ())
+    cond = conditions_of(settle(w, decide(w), Outcome()))["Unschedulable"]
+    assert (cond["status"], cond["reason"]) == ("True", "NoAgents")

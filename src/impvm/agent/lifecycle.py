@@ -71,6 +71,8 @@ CLASS_MISSING = "ClassMissing"
 IMAGE_VERIFIED = "ImageVerified"
 #: How much of a console tail or failure message goes into ``status.message`` / an Event.
 MESSAGE_CHARS = 2000
+#: console lines a failed VM's status carries (``status.consoleTail``)
+CONSOLE_TAIL_LINES = 20
 EVENT_CHARS = 500
 
 
@@ -161,6 +163,8 @@ class Policy:
     start_timeout_seconds: float = 300.0
     stop_grace_seconds: float = 10.0
     jit_retry_seconds: float = 2.0
+    #: where the consoles of failed VMs are kept on this node ("": not kept)
+    console_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -260,6 +264,14 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class KeepConsole:
+    """Copy the VM's console, bounded and with its JIT config scrubbed, to ``path`` (before
+    :class:`Cleanup` removes the original); old kept consoles beyond the node's bound go."""
+
+    path: str
+
+
+@dataclass(frozen=True)
 class Cleanup:
     """Remove everything of the VM on this node (the runtime's ``cleanup``)."""
 
@@ -269,7 +281,18 @@ class Release:
     """Remove the agent finalizer (conditional on the observed resourceVersion)."""
 
 
-Step = Claim | AddFinalizer | PatchStatus | Emit | Prepare | Start | Stop | Cleanup | Release
+Step = (
+    Claim
+    | AddFinalizer
+    | PatchStatus
+    | Emit
+    | Prepare
+    | Start
+    | Stop
+    | KeepConsole
+    | Cleanup
+    | Release
+)
 
 
 class Why(StrEnum):
@@ -361,7 +384,11 @@ def _unbound(obs: VMObservation, vm: VMRecord) -> AgentAction:
         return AgentAction(Why.PREFLIGHT_FAILED, forget=True)
     if not fits(obs.capacity, obs.used, obs.size):
         return AgentAction(Why.NO_CAPACITY, forget=True)
-    status: dict[str, Any] = {"phase": VMPhase.SCHEDULED, "nodeName": obs.node}
+    status: dict[str, Any] = {
+        "phase": VMPhase.SCHEDULED,
+        "nodeName": obs.node,
+        "timings": {"scheduledAt": k8s_time(obs.now)},
+    }
     status.update(_class_found(obs, vm))
     steps: tuple[Step, ...] = (
         Claim(obs.size),
@@ -454,7 +481,11 @@ def _boot(obs: VMObservation, vm: VMRecord) -> AgentAction:
     report: dict[str, Any] = _class_found(obs, vm)
     report |= _verified(obs, vm, report.get("conditions"))
     if vm.phase != VMPhase.SCHEDULED:
-        report |= {"phase": VMPhase.SCHEDULED, "nodeName": obs.node}
+        report |= {
+            "phase": VMPhase.SCHEDULED,
+            "nodeName": obs.node,
+            "timings": {"scheduledAt": k8s_time(obs.now)},
+        }
     if report:
         steps.append(PatchStatus(report))
     local = obs.local
@@ -492,7 +523,8 @@ def _started(obs: VMObservation, vm: VMRecord) -> AgentAction:
     tick = obs.policy.tick_seconds
     if rt.status == "running":
         if vm.phase != VMPhase.RUNNING:
-            return AgentAction(Why.REPORT_RUNNING, (PatchStatus({"phase": VMPhase.RUNNING}),), tick)
+            booted = {"phase": VMPhase.RUNNING, "timings": {"bootedAt": k8s_time(obs.now)}}
+            return AgentAction(Why.REPORT_RUNNING, (PatchStatus(booted),), tick)
         return AgentAction(Why.RUNNING, recheck_seconds=tick)
     if started and running_for >= obs.policy.start_timeout_seconds:
         return _fail(obs, Why.START_TIMEOUT, "StartTimeout", rt.log_tail, stop=True)
@@ -508,13 +540,51 @@ def _finish(obs: VMObservation, rt: RuntimeState) -> AgentAction:
         "exitCode": code,
         "exitReason": "Completed" if code == 0 else "Error",
         "finishedAt": k8s_time(rt.finished_at or obs.now),
+        "timings": {"finishedAt": k8s_time(rt.finished_at or obs.now)},
     }
     if code == 0:
-        event = Emit("Succeeded", "runner exited 0")
+        steps: tuple[Step, ...] = (PatchStatus(status), Emit("Succeeded", "runner exited 0"))
     else:
         status["message"] = rt.log_tail[-MESSAGE_CHARS:]
-        event = Emit("Failed", f"runner exited {code}", warning=True)
-    return AgentAction(Why.EXITED, (PatchStatus(status), event, Cleanup()), recheck_seconds=0)
+        keep, extra = _keep_console(obs, rt.log_tail)
+        status |= extra
+        steps = (
+            *keep,
+            PatchStatus(status),
+            Emit("Failed", f"runner exited {code}", warning=True),
+            *_console_event(obs, extra),
+        )
+    return AgentAction(Why.EXITED, (*steps, Cleanup()), recheck_seconds=0)
+
+
+def console_tail(text: str) -> str:
+    """The last :data:`CONSOLE_TAIL_LINES` lines of ``text``, at most :data:`MESSAGE_CHARS`."""
+    return "\n".join(text.splitlines()[-CONSOLE_TAIL_LINES:])[-MESSAGE_CHARS:]
+
+
+def _keep_console(obs: VMObservation, tail: str) -> tuple[tuple[Step, ...], dict[str, Any]]:
+    """The step keeping a failed VM's console and the status fields naming it: ``consoleTail``
+    (its last lines) and ``consoleLog`` (``<node>:<path>``)."""
+    fields: dict[str, Any] = {}
+    if tail:
+        fields["consoleTail"] = console_tail(tail)
+    if not obs.policy.console_dir or obs.vm is None:
+        return (), fields
+    path = f"{obs.policy.console_dir}/{obs.vm.vm_id}.log"
+    fields["consoleLog"] = f"{obs.node}:{path}"
+    return (KeepConsole(path),), fields
+
+
+def _console_event(obs: VMObservation, fields: Mapping[str, Any]) -> tuple[Step, ...]:
+    """The Event saying where the full console is."""
+    where = fields.get("consoleLog")
+    if not where or obs.vm is None:
+        return ()
+    node, _, path = str(where).partition(":")
+    text = (
+        f"console log kept on node {node} at {path}; impvm logs -n {obs.vm.namespace} {obs.vm.name}"
+    )
+    return (Emit("ConsoleLogKept", text),)
 
 
 def _fail(
@@ -531,13 +601,22 @@ def _fail(
     steps: list[Step] = list(before)
     if stop:
         steps.append(Stop(obs.policy.stop_grace_seconds))
-    status = {
+    status: dict[str, Any] = {
         "phase": VMPhase.FAILED,
         "exitReason": reason,
         "finishedAt": k8s_time(obs.now),
+        "timings": {"finishedAt": k8s_time(obs.now)},
         "message": message[-MESSAGE_CHARS:],
     }
-    steps += [PatchStatus(status), Emit(reason, message[-EVENT_CHARS:], warning=True), Cleanup()]
+    keep, extra = _keep_console(obs, obs.runtime.log_tail)
+    status |= extra
+    steps += [
+        *keep,
+        PatchStatus(status),
+        Emit(reason, message[-EVENT_CHARS:], warning=True),
+        *_console_event(obs, extra),
+        Cleanup(),
+    ]
     return AgentAction(why, tuple(steps), recheck_seconds=0)
 
 

@@ -328,8 +328,11 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             str(self.initramfs),
             "-append",
             append,
+            # appended, so the agent can compact a long console in place (runtime_base)
+            "-chardev",
+            f"file,id=console,path={wd / CONSOLE_LOG},append=on",
             "-serial",
-            f"file:{wd / CONSOLE_LOG}",
+            "chardev:console",
             # ttyS1/ttyS2 as explicit ISA UARTs: microvm creates only ttyS0 from -serial
             "-chardev",
             f"file,id=status,path={wd / _STATUS}",

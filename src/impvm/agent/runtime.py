@@ -132,3 +132,8 @@ class Runtime(Protocol):
     async def cleanup(self, req: VMRequest) -> None:
         """Remove every per-VM file (scratch, logs, the delivered JIT config). Idempotent."""
         ...
+
+    async def keep_console(self, req: VMRequest, dest: Path) -> bool:
+        """Copy the VM's console (bounded, its JIT config scrubbed) to ``dest``; False when it
+        has none."""
+        ...

@@ -46,6 +46,87 @@ CONSOLE_LOG = "console.log"
 TAIL_BYTES = 16384
 
 
+#: A kept console (of a failed VM) holds at most this many bytes: its first
+#: :data:`KEPT_HEAD_BYTES` (the boot) and its end, cut at line boundaries.
+KEPT_BYTES = 1024 * 1024
+KEPT_HEAD_BYTES = 64 * 1024
+#: Kept consoles per node; the oldest go first.
+KEPT_FILES = 100
+
+
+#: A running VM's console is compacted to its first :data:`KEPT_HEAD_BYTES` and last
+#: :data:`LIVE_TAIL_BYTES` once it passes :data:`LIVE_MAX_BYTES` (a chatty job cannot fill the
+#: node's disk). Writers append (``O_APPEND``: bwrap's stdout, QEMU's ``append=on``), so their
+#: next write lands after the compacted text.
+LIVE_MAX_BYTES = 8 * 1024 * 1024
+LIVE_TAIL_BYTES = 2 * 1024 * 1024
+
+
+def compact_console(path: Path, limit: int = LIVE_MAX_BYTES, tail: int = LIVE_TAIL_BYTES) -> bool:
+    """Shrink console ``path`` in place to its head and last ``tail`` bytes (cut at lines, a
+    marker between) when it is over ``limit`` bytes (blocking). Bytes written while it runs may
+    be lost; the marker says how much was cut. True when it compacted."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    with os.fdopen(fd, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size <= limit:
+            return False
+        first = f.read(KEPT_HEAD_BYTES)
+        first = first[: first.rfind(b"\n") + 1] or first
+        f.seek(size - tail)
+        last = f.read()
+        last = last[last.find(b"\n") + 1 :] or last
+        cut = size - len(first) - len(last)
+        f.seek(0)
+        f.truncate(0)
+        f.write(first + f"[... {cut} bytes cut ...]\n".encode() + last)
+    return True
+
+
+def keep_console(
+    source: Path,
+    dest: Path,
+    secret: str | None,
+    limit: int = KEPT_BYTES,
+    head: int = KEPT_HEAD_BYTES,
+    keep_files: int = KEPT_FILES,
+) -> bool:
+    """Copy console ``source`` to ``dest`` (mode 0600; blocking): at most ``limit`` bytes, the
+    middle of a longer one replaced by a line saying how much was cut, every occurrence of
+    ``secret`` (the VM's JIT config) replaced by ``***``. Then remove the oldest ``*.log`` in
+    ``dest``'s directory beyond ``keep_files``. False when ``source`` does not exist."""
+    try:
+        with source.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= limit:
+                data = f.read()
+            else:
+                first = f.read(head)
+                first = first[: first.rfind(b"\n") + 1] or first
+                f.seek(size - (limit - head))
+                last = f.read()
+                last = last[last.find(b"\n") + 1 :] or last
+                cut = size - len(first) - len(last)
+                data = first + f"[... {cut} bytes cut ...]\n".encode() + last
+    except FileNotFoundError:
+        return False
+    if secret:
+        data = data.replace(secret.encode(), b"***")
+    dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = dest.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    os.replace(tmp, dest)
+    kept = sorted(dest.parent.glob("*.log"), key=lambda p: (p.stat().st_mtime, p.name))
+    for old in kept[: max(0, len(kept) - keep_files)]:
+        old.unlink(missing_ok=True)
+    return True
+
+
 def guest_hostname(req: VMRequest) -> str:
     """The VM's host name: its name as a DNS label (lower case, ``[a-z0-9-]``, at most 63)."""
     return re.sub(r"[^a-z0-9-]", "-", req.name.lower())[:63].strip("-") or "impvm"
@@ -211,7 +292,12 @@ class RuntimeBase(Generic[VM]):
 
     def _tail(self, vm: VM) -> str:
         """The last ``tail_lines`` console lines (blocking), the JIT config replaced by ``***``
-        (defence in depth: the wrapper never prints it, but a guest program might)."""
+        (defence in depth: the wrapper never prints it, but a guest program might); the console
+        is first kept within :data:`LIVE_MAX_BYTES` (:func:`compact_console`)."""
+        try:
+            compact_console(vm.workdir / CONSOLE_LOG)
+        except OSError:
+            pass
         try:
             with (vm.workdir / CONSOLE_LOG).open("rb") as f:
                 f.seek(0, os.SEEK_END)
@@ -255,6 +341,13 @@ class RuntimeBase(Generic[VM]):
         return RuntimeState(
             status="running" if started else "starting", started_at=vm.started_at, log_tail=tail
         )
+
+    async def keep_console(self, req: VMRequest, dest: Path) -> bool:
+        """Keep the VM's console at ``dest`` (:func:`keep_console`), before :meth:`cleanup`
+        removes the workdir. False when there is no console."""
+        vm = self._vms.get(req.vm_id)
+        secret = vm.secret if vm is not None else None
+        return await asyncio.to_thread(keep_console, req.workdir / CONSOLE_LOG, dest, secret)
 
     async def stop(self, req: VMRequest, grace_seconds: float = 10.0) -> None:
         """Stop the VM: ask it to end, then kill it once ``grace_seconds`` passed (at once when

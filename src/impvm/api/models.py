@@ -369,7 +369,7 @@ class ImpVMTemplateSpec(ApiModel):
     allow_unpinned_images: bool | None = Field(
         default=None,
         description="Opt out of digest pinning for image and runnerLayer (not for production: "
-        "images are pulled by digest, never by tag).",
+        "a tag can change under a running pool; a digest cannot).",
     )
     verify: TemplateVerifySpec | None = Field(
         default=None,
@@ -818,6 +818,37 @@ class PollStatus(ApiModel):
     error: str | None = Field(default=None, description="Why the poll failed, if it did.")
 
 
+class RateLimitStatus(ApiModel):
+    """The core REST rate limit of the pool's installation as GitHub last reported it
+    (``x-ratelimit-*`` headers; GitHub docs, "Rate limits for the REST API")."""
+
+    limit: int | None = Field(default=None, ge=0, description="Requests per hour.")
+    remaining: int | None = Field(default=None, ge=0, description="Requests left.")
+    reset_at: datetime | None = Field(default=None, description="When the window resets.")
+
+
+class TimingSummary(ApiModel):
+    """p50/p95 of one duration over the pool's VMs of the last hour."""
+
+    count: int | None = Field(default=None, ge=0, description="Samples in the window.")
+    p50_seconds: float | None = Field(default=None, ge=0)
+    p95_seconds: float | None = Field(default=None, ge=0)
+
+
+class PoolTimings(ApiModel):
+    """Durations over the last hour (see docs/architecture.md, per-job timings)."""
+
+    job_pickup: TimingSummary | None = Field(
+        default=None, description="A job's wait from queued to in progress."
+    )
+    vm_boot: TimingSummary | None = Field(
+        default=None, description="From the agent starting the VM to its runner running."
+    )
+    runner_registration: TimingSummary | None = Field(
+        default=None, description="From the ImpVM's creation to its runner online on GitHub."
+    )
+
+
 class WarmPoolStatus(ApiModel):
     """The warm pool's estimates, carried from pass to pass (Kubernetes is the database: a
     restarted operator resumes from here). Changed only by observed events."""
@@ -865,6 +896,10 @@ class ImpVMRunnerPoolStatus(ApiModel):
     )
     last_scale_up_time: datetime | None = Field(default=None)
     last_poll: PollStatus | None = Field(default=None)
+    timings: PoolTimings | None = Field(default=None, description="p50/p95 over the last hour.")
+    rate_limit: RateLimitStatus | None = Field(
+        default=None, description="The installation's rate limit, as of the last status write."
+    )
     warm_pool: WarmPoolStatus | None = Field(default=None, description="Warm pool estimates.")
     conditions: list[Condition] | None = Field(
         default=None,
@@ -989,6 +1024,26 @@ class ImpVMSpec(ApiModel):
     )
 
 
+class VMTimings(ApiModel):
+    """When each step of a VM's one job happened (the agent writes scheduledAt, bootedAt and
+    finishedAt; the operator createdAt, runnerOnlineAt, jobQueuedAt and jobStartedAt). Its
+    deletion is the histogram ``impvm_vm_lifetime_seconds`` (the object is gone)."""
+
+    created_at: datetime | None = Field(default=None, description="The ImpVM was created.")
+    scheduled_at: datetime | None = Field(default=None, description="An agent claimed it.")
+    booted_at: datetime | None = Field(default=None, description="Its runner process runs.")
+    runner_online_at: datetime | None = Field(
+        default=None, description="GitHub first listed its runner online."
+    )
+    job_queued_at: datetime | None = Field(
+        default=None, description="impvm first saw its job queued."
+    )
+    job_started_at: datetime | None = Field(
+        default=None, description="Its job went in progress (GitHub's started_at)."
+    )
+    finished_at: datetime | None = Field(default=None, description="Its runner exited.")
+
+
 class ImpVMStatus(ApiModel):
     """Observed state of a VM."""
 
@@ -1003,6 +1058,17 @@ class ImpVMStatus(ApiModel):
         default=None, description="Why the VM ended (Completed, Error, DeadlineExceeded, ...)."
     )
     message: str | None = Field(default=None, description="Detail (console tail on failure).")
+    timings: VMTimings | None = Field(default=None, description="Per-job timings.")
+    console_tail: str | None = Field(
+        default=None,
+        max_length=4000,
+        description="A failed VM's last console lines (JIT config scrubbed).",
+    )
+    console_log: str | None = Field(
+        default=None,
+        max_length=1000,
+        description="<node>:<path> of a failed VM's kept console (impvm logs prints it).",
+    )
     conditions: list[Condition] | None = Field(
         default=None,
         description=_CONDITIONS_DESC,

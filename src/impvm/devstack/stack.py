@@ -228,6 +228,7 @@ def dev_config(
     registry: str,
     images: TestImages | None,
     operator_port: int,
+    agent_metrics_port: int = 0,
     runtime: str = "process",
     agent_vcpu: int = 16,
     agent_memory_mib: int = 32768,
@@ -261,6 +262,7 @@ def dev_config(
             "memoryMiB": agent_memory_mib,
             "insecureRegistries": [registry],
             "readOnlyBinds": [str(p) for p in host_python_binds()],
+            "metricsListen": f"127.0.0.1:{agent_metrics_port or free_port()}",
             **({"cosign": str(cosign)} if cosign is not None else {}),
         },
         "kubernetes": {"apiPort": 0, "namespace": NAMESPACE, "etcdFsync": False},
@@ -340,6 +342,7 @@ class Stack:
     private_key_pem: str = field(default="", repr=False)
     webhook_secret: str = field(default="", repr=False)
     operator_http_port: int = 0
+    agent_metrics_port: int = 0
     devnet: DevNetwork | None = None
     _kube: AsyncClient | None = None
 
@@ -419,6 +422,7 @@ class Stack:
             hook_file = secrets_dir / "webhook-secret"
             write_private(hook_file, self.webhook_secret.encode())
         self.operator_http_port = free_port()
+        self.agent_metrics_port = free_port()
         cfg = dev_config(
             workdir=wd,
             standin_url=self.standin.url,
@@ -426,6 +430,7 @@ class Stack:
             registry=self.registry.address,
             images=self.images if self.config.apply_example else None,
             operator_port=self.operator_http_port,
+            agent_metrics_port=self.agent_metrics_port,
             runtime=self.config.runtime,
             agent_vcpu=self.config.agent_vcpu,
             agent_memory_mib=self.config.agent_memory_mib,

@@ -23,10 +23,11 @@ from impvm.api.models import (
     ImpVMTemplateSpec,
     PoolKey,
 )
-from impvm.scaling.jobtable import Job
+from impvm.scaling.jobtable import Arrival, Job
 from impvm.scaling.names import runner_prefix, template_hash
 from impvm.scaling.nodes import NodeLease
 from impvm.scaling.pool import RunnerView
+from impvm.scaling.warmpool import WarmPoolState
 
 __all__ = [
     "BackoffState",
@@ -41,6 +42,7 @@ __all__ = [
     "RateBudget",
     "TemplateObj",
     "VMObj",
+    "WarmPoolMemory",
     "parse_time",
 ]
 
@@ -313,6 +315,22 @@ class PassSettings:
     backoff_cap_seconds: float = 300.0
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WarmPoolMemory:
+    """What the warm pool keeps in memory between passes (all re-derivable: a restarted
+    operator starts from ``status.warmPool`` and the VMs' recorded runners).
+
+    - ``cursor``: job-table arrivals numbered up to it were folded in (never twice);
+    - ``state``: the state the last pass wrote (used when a read of the pool lags behind it);
+    - ``ready``: VMs whose runner was already counted ready (while their recorded runner
+      still says otherwise).
+    """
+
+    cursor: int = 0
+    state: WarmPoolState | None = None
+    ready: frozenset[str] = frozenset()
+
+
 # --------------------------------------------------------------------------------------------
 # The world
 
@@ -332,7 +350,9 @@ class PoolWorld:
     - ``backoff``, ``poll``: state carried between passes (in memory);
     - ``pending_jobs``: queued jobs routed to the pool; ``running_jobs``: in-progress jobs by
       runner name; ``polled``: this pass's poll, when one ran;
-    - ``webhook_secret_missing``: the webhook Secret's name when it is missing.
+    - ``webhook_secret_missing``: the webhook Secret's name when it is missing;
+    - ``arrivals``: the job-table arrivals routed to the pool numbered above ``warm.cursor``,
+      read when the table's latest was ``arrivals_read``; ``warm``: :class:`WarmPoolMemory`.
     """
 
     pool: PoolObj
@@ -354,6 +374,11 @@ class PoolWorld:
     running_jobs: Mapping[str, Job] = field(default_factory=dict)
     polled: PollOutcome | None = None
     webhook_secret_missing: str | None = None
+    #: the pool's ``status.timings`` to publish (:func:`impvm.scaling.timings.summary`)
+    timings: Mapping[str, Any] | None = None
+    arrivals: tuple[Arrival, ...] = ()
+    arrivals_read: int = 0
+    warm: WarmPoolMemory = field(default_factory=WarmPoolMemory)
 
     def after_poll(
         self, outcome: PollOutcome, pending_jobs: int, running_jobs: Mapping[str, Job]

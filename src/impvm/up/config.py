@@ -163,6 +163,16 @@ class AgentConfig(_Model):
     network_prefix: str = Field(
         default="impvm", alias="networkPrefix", pattern=r"^[a-z][a-z0-9]{0,8}$"
     )
+    metrics_listen: str = Field(
+        default="127.0.0.1:9464",
+        alias="metricsListen",
+        description="HOST:PORT of the agent's GET /metrics and GET /healthz.",
+    )
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _check_metrics_listen(cls, v: str) -> str:
+        return _listen(v)
 
     @field_validator("guest_subnet")
     @classmethod

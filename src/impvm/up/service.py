@@ -319,6 +319,11 @@ class Service:
             a.network_table,
             "--network-prefix",
             a.network_prefix,
+            "--metrics-address",
+            # another node's agent on this machine (tests): a free port of its own
+            a.metrics_listen
+            if node == self.node_name
+            else a.metrics_listen.rpartition(":")[0] + ":0",
         ]
         for d in a.guest_dns or []:
             args += ["--guest-dns", d]
