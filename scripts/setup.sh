@@ -45,6 +45,12 @@ if [[ -f tools/npm/package-lock.json ]] && ! cmp -s tools/npm/package-lock.json 
   cp tools/npm/package-lock.json tools/npm/node_modules/.impvm-installed
 fi
 
+# cosign: the agent verifies signed images with it, tests sign with it (built once, cached)
+if ! IMPVM_COSIGN_CHECK_ONLY=1 bash src/impvm/devstack/assets/build-cosign.sh >/dev/null 2>&1; then
+  log "cosign (built once, cached)"
+  bash src/impvm/devstack/assets/build-cosign.sh >/dev/null
+fi
+
 log "helm and the ServiceMonitor CRD for the chart tests (built once from Go modules, cached)"
 bash scripts/build-helm.sh >/dev/null
 bash scripts/build-servicemonitor-crd.sh >/dev/null

@@ -59,6 +59,15 @@ echo ready
 exec sleep 600
 """
 
+# Fails at start after printing its JIT config (the kept console must scrub it) and more than a
+# kept console holds (about 1.5 MB), the reason last.
+FAILING_RUN_SH = r"""#!/bin/sh
+echo "raw=$ACTIONS_RUNNER_INPUT_JITCONFIG"
+yes "console noise console noise console noise console noise" | head -n 25000
+echo "runner: cannot reach GitHub: connection refused"
+exit 1
+"""
+
 # Ignores SIGTERM: only the kill after the grace period ends it.
 STUBBORN_RUN_SH = r"""#!/bin/sh
 trap '' TERM
@@ -75,6 +84,7 @@ class Images:
     sleep: str
     stubborn: str
     standin: str
+    failing: str
 
 
 def _require(tools: list[str], debian: str) -> None:
@@ -108,6 +118,7 @@ async def images(registry: LocalRegistry, tmp_path_factory: pytest.TempPathFacto
         sleep=await layer("sleep", SLEEP_RUN_SH),
         stubborn=await layer("stubborn", STUBBORN_RUN_SH),
         standin=await layer("standin", None),
+        failing=await layer("failing", FAILING_RUN_SH),
     )
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from lightkube import Client
 from lightkube.core.exceptions import ApiError
 from lightkube.types import PatchType
@@ -394,6 +396,69 @@ def test_vm_rules(kube: Client, namespace: str) -> None:
     with pytest.raises(ApiError) as info:
         kube.replace(obj)
     assert "nodeName cannot be changed" in str(info.value.status.message)
+
+
+def _public_key_pem() -> str:
+    key = ec.generate_private_key(ec.SECP256R1())
+    return (
+        key.public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        .decode()
+    )
+
+
+@pytest.mark.controlplane
+def test_verify_rules(kube: Client, namespace: str) -> None:
+    bad_ref = _template(namespace, verify={"publicKeySecretRef": {"name": "Not_A_Name"}})
+    msg = rejected(kube, ImpVMTemplateResource, bad_ref)
+    assert "spec.verify.publicKeySecretRef.name" in msg, msg
+    bad_key = _template(namespace, verify={"publicKeySecretRef": {"name": "k", "key": "a/b"}})
+    msg = rejected(kube, ImpVMTemplateResource, bad_key)
+    assert "spec.verify.publicKeySecretRef.key" in msg, msg
+    msg = rejected(kube, ImpVMTemplateResource, _template(namespace, verify={}))
+    assert "spec.verify.publicKeySecretRef" in msg, msg
+    kube.create(
+        ImpVMTemplateResource.from_dict(
+            _template(namespace, verify={"publicKeySecretRef": {"name": "signing-key"}})
+        )
+    )
+    t = kube.get(ImpVMTemplateResource, "t", namespace=namespace)
+    assert t["spec"]["verify"]["publicKeySecretRef"] == {"name": "signing-key", "key": "cosign.pub"}
+
+    pem, other = _public_key_pem(), _public_key_pem()
+
+    def vm(name: str, verify: dict[str, Any] | None) -> dict[str, Any]:
+        spec: dict[str, Any] = {"classRef": {"name": "c"}, "image": DIGEST_A}
+        if verify is not None:
+            spec["verify"] = verify
+        return {"metadata": {"name": name, "namespace": namespace}, "spec": spec}
+
+    for junk in ("not a key", "-----BEGIN PUBLIC KEY-----\n!!!\n-----END PUBLIC KEY-----\n"):
+        msg = rejected(kube, ImpVMResource, vm("bad", {"publicKey": junk}))
+        assert "spec.verify.publicKey" in msg and "PEM public key" in msg, msg
+    msg = rejected(kube, ImpVMResource, vm("bad", {}))
+    assert "spec.verify.publicKey" in msg, msg
+
+    kube.create(ImpVMResource.from_dict(vm("signed", {"publicKey": pem})))
+    kube.create(ImpVMResource.from_dict(vm("plain", None)))
+    # The key a VM is verified with is fixed at creation: not changed, removed or added later.
+    for name, verify in (
+        ("signed", {"publicKey": other}),
+        ("signed", None),
+        ("plain", {"publicKey": pem}),
+    ):
+        obj = kube.get(ImpVMResource, name, namespace=namespace)
+        if verify is None:
+            obj["spec"].pop("verify")
+        else:
+            obj["spec"]["verify"] = verify
+        with pytest.raises(ApiError) as info:
+            kube.replace(obj)
+        assert info.value.status.code == 422
+        assert "verify cannot be added, changed or removed" in str(info.value.status.message)
+    assert kube.get(ImpVMResource, "signed", namespace=namespace)["spec"]["verify"] == {
+        "publicKey": pem
+    }
 
 
 def test_models_parse_seed_example() -> None:

@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import os
 import re
 import ssl
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,6 +28,7 @@ from impvm.agent.agent import Agent, AgentConfig
 from impvm.agent.capacity import Resources
 from impvm.agent.images import ImageStore
 from impvm.agent.jitsource import SecretJitSource
+from impvm.agent.lifecycle import Preflight
 from impvm.agent.process import ProcessRuntime
 from impvm.api.models import API_VERSION, JIT_SECRET_KEY
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
@@ -90,7 +94,9 @@ class Env:
         return {o.metadata.name: o.to_dict() async for o in listed}
 
     @contextlib.asynccontextmanager
-    async def agent(self, tick: float = 0.2) -> AsyncIterator[Agent]:
+    async def agent(
+        self, tick: float = 0.2, preflight: Preflight | None = None
+    ) -> AsyncIterator[Agent]:
         """An agent with the process runtime, running for the block."""
         store = ImageStore(self.tmp_path / "cache", 1 << 30, {self.images.registry})
         agent = Agent(
@@ -104,6 +110,7 @@ class Env:
                 tick_seconds=tick,
                 stop_grace_seconds=2.0,
             ),
+            preflight,
             jit=SecretJitSource(self.akube),  # the admin client may read the Secret
         )
         task = asyncio.create_task(agent.run())
@@ -253,3 +260,88 @@ async def test_agent_forgets_the_vms_it_is_done_with(env: Env) -> None:
         await until("the agent forgot every VM", forgotten)
         assert isinstance(agent.runtime, ProcessRuntime) and agent.runtime.known() == set()
         assert len(agent.mine.store) == 0 and len(agent.unbound.store) == 0
+
+
+async def test_a_failed_vm_keeps_its_console_for_impvm_logs(
+    env: Env, control_plane: ControlPlane
+) -> None:
+    """A runner that fails at start: the VM's status carries the console's last lines and
+    where the full console is kept; an Event says so; the kept copy is bounded and holds no
+    JIT config; ``impvm logs`` prints it, also once the VM is deleted."""
+    env.create_class()
+    async with env.agent():
+        env.create_vm("broken", env.images.failing)
+
+        async def failed() -> dict[str, Any] | None:
+            vm = (await env.vms()).get("broken")
+            st = (vm or {}).get("status") or {}
+            return vm if st.get("phase") == "Failed" and st.get("consoleLog") else None
+
+        await until("the VM failed", failed, 120)
+        vm = await failed()
+        assert vm is not None
+    st = vm["status"]
+    assert st["consoleTail"].endswith("runner: cannot reach GitHub: connection refused")
+    assert len(st["consoleTail"].splitlines()) <= 20
+    node, _, path = st["consoleLog"].partition(":")
+    assert node == vm["spec"]["nodeName"]
+    kept = Path(path)
+    assert kept.parent == env.tmp_path / "agent" / "consoles"
+    data = await asyncio.to_thread(kept.read_bytes)
+    assert len(data) <= 1024 * 1024 and b"bytes cut ...]" in data
+    assert b"raw=***" in data and b"jit-not-a-real-one" not in data
+    assert (await asyncio.to_thread(kept.stat)).st_mode & 0o777 == 0o600
+    events = [e async for e in env.akube.list(Event, namespace=env.namespace)]
+    (ev,) = [e for e in events if e.reason == "ConsoleLogKept"]
+    assert path in (ev.message or "")
+    for e in events:  # the JIT config is in no Event
+        assert "jit-not-a-real-one" not in (e.message or "")
+    assert "jit-not-a-real-one" not in repr(vm)
+
+    def impvm_logs() -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [sys.executable, "-m", "impvm.cli", "logs", "-n", env.namespace, "broken"],
+            env=dict(os.environ, KUBECONFIG=str(control_plane.kubeconfig)),
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+
+    out = await asyncio.to_thread(impvm_logs)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == data
+    env.kube.delete(ImpVMResource, "broken", namespace=env.namespace)
+
+    async def gone() -> bool:
+        return "broken" not in await env.vms()
+
+    await until("the VM deleted", gone)
+    out = await asyncio.to_thread(impvm_logs)  # found through its Event
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == data
+    await asyncio.to_thread(kept.unlink)
+    out = await asyncio.to_thread(impvm_logs)
+    assert out.returncode == 1 and f"on node {node} at {path}" in out.stderr.decode()
+
+
+async def test_an_agent_that_failed_its_preflight_claims_nothing_and_says_why(env: Env) -> None:
+    from lightkube.resources.coordination_v1 import Lease
+
+    env.create_class()
+    failed = Preflight(ok=False, reason="bwrap: not found on PATH (apt-get install bubblewrap)")
+    async with env.agent(preflight=failed) as agent:
+        env.create_vm("waiting", env.images.sleep)
+        name = "impvm-agent-" + agent.config.node_name
+
+        async def advertised() -> bool:
+            try:
+                lease = await env.akube.get(Lease, name, namespace=env.namespace)
+            except Exception:
+                return False
+            ann = (lease.metadata.annotations or {}) if lease.metadata else {}
+            return ann.get("imp.dev/preflight", "").startswith("failed: bwrap")
+
+        await until("the Lease says the preflight failed", advertised)
+        await asyncio.sleep(2)  # ticks pass: still not claimed
+        vm = (await env.vms())["waiting"]
+        assert not vm["spec"].get("nodeName") and not (vm.get("status") or {}).get("phase")

@@ -17,11 +17,13 @@ from hypothesis import strategies as st
 from impvm.agent.capacity import Resources
 from impvm.agent.lifecycle import (
     CLASS_MISSING,
+    IMAGE_VERIFIED,
     AddFinalizer,
     AgentAction,
     Claim,
     Cleanup,
     Emit,
+    KeepConsole,
     LocalFacts,
     PatchStatus,
     Policy,
@@ -33,10 +35,11 @@ from impvm.agent.lifecycle import (
     VMObservation,
     VMRecord,
     Why,
+    console_tail,
     decide,
     holds_capacity,
 )
-from impvm.agent.runtime import RuntimeState
+from impvm.agent.runtime import RuntimeState, Verification
 from impvm.api.models import AGENT_FINALIZER, TERMINAL_PHASES
 from impvm.api.times import k8s_time
 
@@ -463,7 +466,11 @@ def test_rung(
 def test_claim_binds_reports_and_tells() -> None:
     action = decide(observe(record(node=None, finalizer=False)))
     assert action.steps[0] == Claim(SIZE)
-    assert status_of(action) == {"phase": "Scheduled", "nodeName": NODE}
+    assert status_of(action) == {
+        "phase": "Scheduled",
+        "nodeName": NODE,
+        "timings": {"scheduledAt": k8s_time(NOW)},
+    }
     assert events_of(action) == [("Scheduled", False)]
 
 
@@ -517,6 +524,7 @@ def test_exit_reports() -> None:
         "exitCode": 0,
         "exitReason": "Completed",
         "finishedAt": k8s_time(NOW),
+        "timings": {"finishedAt": k8s_time(NOW)},
     }
     assert events_of(ok) == [("Succeeded", False)]
     bad = decide(observe(vm, "exited-3"))
@@ -525,11 +533,48 @@ def test_exit_reports() -> None:
         "exitCode": 3,
         "exitReason": "Error",
         "finishedAt": k8s_time(NOW),
+        "timings": {"finishedAt": k8s_time(NOW)},
         "message": "line\nboom",
+        "consoleTail": "line\nboom",
     }
     assert events_of(bad) == [("Failed", True)]
     killed = decide(observe(vm, RuntimeState("exited")))
     assert status_of(killed)["exitCode"] == -1
+
+
+@pytest.mark.parametrize(
+    ("vm", "runtime", "stopped"),
+    [
+        (record(phase="Running", started_at=NOW), "exited-3", False),  # the runner failed
+        (  # the start timed out: stopped first, so the kept console is complete
+            record(phase="Starting", started_at=NOW - timedelta(seconds=301)),
+            RuntimeState("starting", started_at=NOW, log_tail="booting\nhung"),
+            True,
+        ),
+    ],
+)
+def test_a_failed_vm_keeps_its_console_and_says_where(
+    vm: VMRecord, runtime: RuntimeState | str, stopped: bool
+) -> None:
+    obs = replace(observe(vm, runtime), policy=replace(POLICY, console_dir="/var/lib/impvm/c"))
+    act = decide(obs)
+    path = f"/var/lib/impvm/c/{vm.vm_id}.log"
+    steps = kinds(act)
+    assert steps[-1] == "Cleanup" and steps.index("KeepConsole") < steps.index("PatchStatus")
+    assert (steps.index("Stop") < steps.index("KeepConsole")) if stopped else "Stop" not in steps
+    assert [s.path for s in act.steps if isinstance(s, KeepConsole)] == [path]
+    status = status_of(act)
+    assert status["consoleLog"] == f"{NODE}:{path}" and status["consoleTail"]
+    (kept,) = [s for s in act.steps if isinstance(s, Emit) and s.reason == "ConsoleLogKept"]
+    assert f"on node {NODE} at {path};" in kept.message and not kept.warning
+    assert f"impvm logs -n {vm.namespace} {vm.name}" in kept.message
+
+
+def test_console_tail_is_bounded() -> None:
+    text = "\n".join(f"line {i} " + "x" * 300 for i in range(100))
+    tail = console_tail(text)
+    assert len(tail) <= 2000 and tail.endswith("x" * 300) and "line 99" in tail
+    assert console_tail("a\nb") == "a\nb"
 
 
 def test_failures_name_their_reason_and_bound_their_message() -> None:
@@ -912,3 +957,76 @@ def test_a_vm_always_ends_released_and_cleaned(
     if True in finished:
         first = finished.index(True)
         assert all(p in TERMINAL_PHASES for p in phases[first:]), phases
+
+
+def _status_of(action: AgentAction) -> dict[str, Any]:
+    """The status fields of all the action's PatchStatus steps, merged in order."""
+    out: dict[str, Any] = {}
+    for step in action.steps:
+        if isinstance(step, PatchStatus):
+            out |= dict(step.fields)
+    return out
+
+
+def test_a_signature_check_is_reported_in_the_image_verified_condition() -> None:
+    ok = Verification(True, "Verified", "image reg/base@sha256:0 signed by key sha256:f")
+    local = LocalFacts(prepared=True, verification=ok)
+    action = decide(observe(record(phase="Scheduled"), local=local))
+    assert action.why is Why.START and isinstance(action.steps[-1], Start)
+    (cond,) = _status_of(action)["conditions"]
+    assert (cond["type"], cond["status"], cond["reason"]) == (IMAGE_VERIFIED, "True", "Verified")
+    assert cond["message"] == ok.message and cond["lastTransitionTime"] == k8s_time(NOW)
+    # once the VM shows it, it is not written again
+    shown = decide(observe(record(phase="Scheduled", conditions=[cond]), local=local))
+    assert "conditions" not in _status_of(shown)
+    # next to a ClassMissing condition cleared in the same write, both are kept
+    missing = {
+        "type": CLASS_MISSING,
+        "status": "True",
+        "reason": "NotFound",
+        "message": "m",
+        "lastTransitionTime": k8s_time(NOW - timedelta(hours=1)),
+    }
+    both = _status_of(decide(observe(record(phase="Scheduled", conditions=[missing]), local=local)))
+    types = {c["type"]: c["status"] for c in both["conditions"]}
+    assert types == {CLASS_MISSING: "False", IMAGE_VERIFIED: "True"}
+
+
+def test_a_refused_signature_fails_the_vm_with_its_reason_and_condition() -> None:
+    msg = "image reg/base@sha256:0 has no signature; required key sha256:f"
+    refused = Verification(False, "ImageUnsigned", msg)
+    local = LocalFacts(failure=("ImageUnsigned", msg), verification=refused)
+    action = decide(observe(record(phase="Scheduled"), local=local))
+    assert action.why is Why.START_FAILED
+    assert not any(isinstance(s, Start | Stop) for s in action.steps)
+    status = _status_of(action)
+    assert (status["phase"], status["exitReason"]) == ("Failed", "ImageUnsigned")
+    assert msg in status["message"]
+    (cond,) = status["conditions"]
+    assert (cond["status"], cond["reason"], cond["message"]) == ("False", "ImageUnsigned", msg)
+    (event,) = [s for s in action.steps if isinstance(s, Emit)]
+    assert event.reason == "ImageUnsigned" and event.warning
+    assert isinstance(action.steps[-1], Cleanup)
+
+
+def test_after_an_agent_restart_a_vm_the_runtime_reattached_carries_on() -> None:
+    """Nothing of LocalFacts survives a restart: what the runtime reports decides. A VM it
+    re-attached running is watched (no second Start, so no second JIT config); one that
+    exited while no agent ran is reported with its exit code; only an unknown one is Lost."""
+    fresh = LocalFacts()
+    started = NOW - timedelta(minutes=5)
+    running = decide(observe(record(phase="Running", started_at=started), "running", local=fresh))
+    assert (running.why, running.steps) == (Why.RUNNING, ())
+    late = decide(observe(record(phase="Starting", started_at=started), "running", local=fresh))
+    assert late.why is Why.REPORT_RUNNING and not any(isinstance(s, Start) for s in late.steps)
+    # started, the report of it not yet written when the old agent died
+    unreported = decide(observe(record(phase="Scheduled"), "running", local=fresh))
+    assert unreported.why is Why.REPORT_STARTED
+    assert not any(isinstance(s, Start | Prepare) for s in unreported.steps)
+    for runtime, phase, code in (("exited-0", "Succeeded", 0), ("exited-3", "Failed", 3)):
+        ended = decide(observe(record(phase="Running", started_at=started), runtime, local=fresh))
+        status = _status_of(ended)
+        assert (ended.why, status["phase"], status["exitCode"]) == (Why.EXITED, phase, code)
+        assert isinstance(ended.steps[-1], Cleanup)
+    lost = decide(observe(record(phase="Running", started_at=started), "missing", local=fresh))
+    assert lost.why is Why.LOST and _status_of(lost)["exitReason"] == "Lost"

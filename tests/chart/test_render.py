@@ -3,6 +3,7 @@ that the chart carries deploy/'s CRDs and RBAC rules verbatim."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,8 @@ def test_full_values_render_every_option(helm: Helm) -> None:
     assert "--insecure-registry=registry.internal:5000" in a["args"]
     assert "--vcpu=32" in a["args"] and "--memory-mib=65536" in a["args"]
     assert "--guest-subnet=10.99.0.0/20" in a["args"]
+    assert "--metrics-address=$(POD_IP):9464" in a["args"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in a["env"]
     assert "--guest-dns=192.0.2.53" in a["args"] and "--guest-dns=192.0.2.54" in a["args"]
     assert "sysctls" not in ds["spec"]["template"]["spec"]["securityContext"]
     sm = helm.template(
@@ -228,3 +231,14 @@ def test_packaged_chart_renders_the_same(helm: Helm, tmp_path: Path) -> None:
         "template", "impvm", str(archive), "--namespace", "impvm-system", "--include-crds"
     ).stdout
     assert from_archive == helm.template_text("--include-crds")
+
+
+def test_grafana_dashboard_configmap(helm: Helm) -> None:
+    assert not by_kind(helm.template(), "ConfigMap")  # off by default
+    docs = helm.template("--values", str(FULL_VALUES))
+    cm = one(docs, "ConfigMap", "impvm-full-grafana-dashboard")
+    assert cm["metadata"]["namespace"] == "default"  # another namespace than the release's
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "CI"}
+    source = (REPO / "deploy" / "grafana" / "impvm-dashboard.json").read_text()
+    assert json.loads(cm["data"]["impvm-dashboard.json"]) == json.loads(source)

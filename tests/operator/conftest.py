@@ -103,7 +103,8 @@ class PoolEnv:
             )
         )
 
-    async def create_template(self) -> None:
+    async def create_template(self, **spec: Any) -> None:
+        """The template of the minimal example, with ``spec`` fields added or overridden."""
         await self.kube.create(
             ImpVMTemplateResource.from_dict(
                 {
@@ -114,6 +115,7 @@ class PoolEnv:
                         "classRef": {"name": self.class_name},
                         "image": BASE_IMAGE,
                         "runnerLayer": RUNNER_LAYER,
+                        **spec,
                     },
                 }
             )

@@ -6,6 +6,7 @@ Node objects, a real aiohttp server on loopback, the operator acting as its Serv
 from __future__ import annotations
 
 import base64
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from lightkube import AsyncClient, Client
+from lightkube import ApiError, AsyncClient, Client
 from lightkube.codecs import load_all_yaml
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.models.authentication_v1 import TokenRequestSpec
@@ -132,11 +133,22 @@ def test_granted_only_to_the_agent_of_the_vms_node_before_launch(
 # ---------------------------------------------------------------------------- on the API server
 
 
-def _apply_rbac(kube: Client) -> None:
+@pytest.fixture
+def rbac(kube: Client) -> Iterator[None]:
+    """deploy/rbac applied to the shared control plane, and removed after the test (the chart's
+    tests install the same names and refuse objects Helm does not own)."""
+    applied = []
     for component in ("operator", "agent"):
         text = (REPO / "deploy" / "rbac" / f"{component}.yaml").read_text()
         for obj in load_all_yaml(text):
             kube.apply(obj, field_manager="impvm-test", force=True)
+            applied.append(obj)
+    yield
+    for obj in reversed(applied):
+        if obj.kind == "Namespace":
+            continue
+        with contextlib.suppress(ApiError):
+            kube.delete(type(obj), obj.metadata.name, namespace=obj.metadata.namespace)
 
 
 def _allowed(kube: Client, user: str, groups: list[str], attrs: dict[str, str]) -> bool:
@@ -156,11 +168,10 @@ SA_GROUPS = [
 
 
 @pytest.mark.controlplane
-def test_agent_cannot_read_any_secret(kube: Client, namespace: str) -> None:
+def test_agent_cannot_read_any_secret(kube: Client, namespace: str, rbac: None) -> None:
     """SubjectAccessReviews as the agent's ServiceAccount: no get, list or watch of the App
     Secret or of a JIT Secret, in the pools' namespace or cluster-wide; and no way around it
     (minting tokens, impersonating, editing Nodes or the operator's TokenReviews)."""
-    _apply_rbac(kube)
     denied = []
     for verb in ("get", "list", "watch"):
         for ns, name in (
@@ -215,10 +226,9 @@ def test_agent_cannot_read_any_secret(kube: Client, namespace: str) -> None:
 
 
 @pytest.fixture
-async def handout(kube: Client, control_plane: ControlPlane) -> AsyncIterator[str]:
+async def handout(kube: Client, control_plane: ControlPlane, rbac: None) -> AsyncIterator[str]:
     """The operator's HTTP endpoint with the hand-out, acting as the operator's ServiceAccount,
     on a loopback port; yields its base URL."""
-    _apply_rbac(kube)
     cfg = service_account_kubeconfig(
         kube, control_plane.kubeconfig, AGENT_LEASE_NAMESPACE, "impvm-operator", create=False
     )

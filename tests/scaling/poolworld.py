@@ -268,4 +268,5 @@ def apply(w: PoolWorld, plan: PoolPlan, outcome: Outcome | None = None) -> PoolW
         github=dataclasses.replace(w.github, runners=tuple(runners.values())),
         backoff=done.backoff,
         poll=done.poll,
+        warm=done.warm if done.warm is not None else w.warm,
     )

@@ -34,6 +34,7 @@ from impvm.scaling.world import (
     PollOutcome,
     PollState,
     RateBudget,
+    VerifyKey,
 )
 from tests.scaling.poolworld import (
     CLASS,
@@ -101,6 +102,47 @@ def test_found_template_clears_the_condition_and_shapes_new_vms() -> None:
     }
     assert plan.new_vm.labels == {"imp.dev/runner-pool": "pool"}
     assert len(plan.new_vm.annotations[TEMPLATE_HASH_ANNOTATION]) == 16
+
+
+PEM = "-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n"
+
+
+def test_a_signing_key_goes_onto_new_vms_and_into_the_template_hash() -> None:
+    key = VerifyKey(pem=PEM, fingerprint="sha256:" + "a" * 64)
+    unsigned = decide(world())
+    signed = decide(world(verify_key=key))
+    assert signed.new_vm is not None and unsigned.new_vm is not None
+    assert signed.new_vm.spec["verify"] == {"publicKey": PEM}
+    assert "verify" not in unsigned.new_vm.spec
+    h = TEMPLATE_HASH_ANNOTATION
+    assert signed.new_vm.annotations[h] != unsigned.new_vm.annotations[h]
+    # a rotated key makes the idle VMs made with the old one outdated (they roll)
+    w = world((vm("aaaaaa", runner=(1, True, False)),), (reg(1, "aaaaaa"),), verify_key=key)
+    made = apply(w, decide(w))
+    (old,) = [v for v in made.vms if v.name == PREFIX + "aaaaaa"]
+    old = dataclasses.replace(
+        old, annotations={h: signed.new_vm.annotations[h]}
+    )  # made with the key
+    w = dataclasses.replace(w, vms=(old,))
+    assert decide(w).settlement.status["outdated"] == 0  # type: ignore[union-attr]
+    rotated = dataclasses.replace(key, fingerprint="sha256:" + "b" * 64)
+    w = dataclasses.replace(w, verify_key=rotated)
+    assert decide(w).settlement.status["outdated"] == 1  # type: ignore[union-attr]
+
+
+def test_an_unusable_signing_key_blocks_every_vm_and_requeues_after_30s() -> None:
+    problem = "verify.publicKeySecretRef of the template: Secret ns/k key cosign.pub: not found"
+    plan = decide(world(verify_key_problem=problem, vms=(vm("aaaaaa"),)))
+    assert plan.acts == 0 and plan.sizing is None and plan.new_vm is None
+    c = conds(plan)
+    assert (c["TemplateMissing"]["status"], c["TemplateMissing"]["reason"]) == (
+        "True",
+        "VerifyKeyMissing",
+    )
+    assert problem in c["TemplateMissing"]["message"]
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "TemplateMissing")
+    assert plan.settlement is not None and plan.settlement.requeue == 30.0
+    assert reasons(plan) == ["TemplateMissing"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,8 +426,12 @@ def test_runner_records_follow_github_and_a_vanished_registration_is_offline() -
     plan = decide(world(vms, (reg(1, "aaaaaa", online=True),)))
     by = {p.name: dict(p.status) for p in plan.sync}
     assert by[PREFIX + "aaaaaa"] == {
-        "runner": {"id": 1, "name": PREFIX + "aaaaaa", "online": True, "busy": False}
+        "runner": {"id": 1, "name": PREFIX + "aaaaaa", "online": True, "busy": False},
+        # first seen online: when, and the registration time it took (created 10 s ago)
+        "timings": {"createdAt": "2026-03-01T11:59:50Z", "runnerOnlineAt": "2026-03-01T12:00:00Z"},
     }
+    observed = {p.name: p.observe for p in plan.sync}
+    assert observed[PREFIX + "aaaaaa"] == (("runnerRegistration", 10.0),)
     assert by[PREFIX + "bbbbbb"] == {"runner": {"online": False, "busy": False}}
 
 
@@ -396,7 +442,7 @@ def test_the_job_a_runner_took_is_recorded_once() -> None:
         repository="octo/app",
         labels=("imp",),
         status="in_progress",
-        seen_at=NOW,
+        seen_at=ago(10),
         runner_name=PREFIX + "aaaaaa",
         started_at=ago(3),
     )
@@ -412,8 +458,13 @@ def test_the_job_a_runner_took_is_recorded_once() -> None:
             "workflowRunId": 5,
             "repository": "octo/app",
             "startedAt": "2026-03-01T11:59:57Z",
-        }
+        },
+        "timings": {
+            "jobQueuedAt": "2026-03-01T11:59:50Z",
+            "jobStartedAt": "2026-03-01T11:59:57Z",
+        },
     }
+    assert patch.observe == (("jobPickup", 7.0),) and job.wait_seconds == 7.0
     assert [p for p in decide(apply(w, decide(w))).sync if "job" in p.status] == []
 
 
@@ -688,3 +739,48 @@ def test_manifests_make_the_pool_own_its_vms_and_each_vm_its_secret() -> None:
     (owner,) = sec["metadata"]["ownerReferences"]
     assert (owner["kind"], owner["name"], owner["uid"]) == ("ImpVM", mint.vm, "u-1")
     assert sec["data"] == {"jitconfig": "ZTMwPQ=="}
+
+
+def node_lease(node: str, used_vcpu: int, used_mem: int) -> NodeLease:
+    annotations = {
+        "imp.dev/vcpu": "4",
+        "imp.dev/memory-mib": "4096",
+        "imp.dev/vcpu-used": str(used_vcpu),
+        "imp.dev/memory-mib-used": str(used_mem),
+    }
+    return NodeLease.parse(node, ago(3), 40, annotations)
+
+
+def conditions_of(done: Any) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in done.conditions}
+
+
+def test_unbound_vm_that_fits_on_no_node_makes_the_pool_unschedulable() -> None:
+    vms = (vm("aaaaaa", phase=None, created=60), vm("bbbbbb", phase=None, created=2))
+    w = world(vms, (), leases=(node_lease("node-1", 3, 1024),))
+    done = settle(w, decide(w), Outcome())
+    cond = conditions_of(done)["Unschedulable"]
+    assert (cond["status"], cond["reason"]) == ("True", "InsufficientCapacity")
+    # only the VM unclaimed for long enough counts; the class needs 2 vCPU, 2048 MiB
+    assert cond["message"] == (
+        "1 VM(s) wait for a node: each needs 2 vCPU, 2048 MiB; node-1 1/4 vCPU, 3072/4096 MiB free"
+    )
+    (ev,) = [e for e in done.events if e.reason == "Unschedulable"]
+    assert ev.warning and ev.message == cond["message"]
+    # capacity freed: the condition clears, without another Event
+    w2 = world(
+        vms,
+        (),
+        leases=(node_lease("node-1", 0, 0),),
+        pool=pool_obj(status={"conditions": list(done.conditions)}),
+    )
+    done2 = settle(w2, decide(w2), Outcome())
+    cond2 = conditions_of(done2)["Unschedulable"]
+    assert (cond2["status"], cond2["reason"]) == ("False", "Schedulable")
+    assert not [e for e in done2.events if e.reason == "Unschedulable"]
+
+
+def test_no_agent_at_all_is_unschedulable() -> None:
+    w = world((vm("aaaaaa", phase=None, created=60),), ())
+    cond = conditions_of(settle(w, decide(w), Outcome()))["Unschedulable"]
+    assert (cond["status"], cond["reason"]) == ("True", "NoAgents")

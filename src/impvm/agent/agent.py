@@ -47,7 +47,9 @@ from lightkube.resources.coordination_v1 import Lease
 from lightkube.types import PatchType
 
 from impvm.agent import lifecycle as lc
+from impvm.agent import metrics
 from impvm.agent.capacity import ZERO, Resources, total
+from impvm.agent.doctor import lease_value
 from impvm.agent.jitsource import JitSource, JitSourceError
 from impvm.agent.network.policy import EgressLayer, egress_layers
 from impvm.agent.runtime import (
@@ -58,6 +60,7 @@ from impvm.agent.runtime import (
     VMRequest,
     VMRuntimeError,
 )
+from impvm.agent.signing import SignatureError, verification
 from impvm.api.models import (
     AGENT_FINALIZER,
     AGENT_LEASE_NAMESPACE,
@@ -69,6 +72,7 @@ from impvm.api.models import (
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
 from impvm.api.times import utcnow
 from impvm.events import EventRecorder
+from impvm.vm_metrics import record_phase
 from impvm.watchcache import Key, WatchCache
 
 log = logging.getLogger("impvm.agent")
@@ -140,6 +144,7 @@ class Agent:
             start_timeout_seconds=config.start_timeout_seconds,
             stop_grace_seconds=config.stop_grace_seconds,
             jit_retry_seconds=config.jit_retry_seconds,
+            console_dir=str(config.workdir / "consoles"),
         )
         self.events = EventRecorder(client, component="impvm-agent", host=config.node_name)
         node = config.node_name
@@ -237,11 +242,16 @@ class Agent:
     async def _renew_lease(self) -> None:
         """Apply the Lease with this node's capacity, runtime and accelerator."""
         c = self.config
+        used = self.record_capacity()
         annotations = {
             "imp.dev/vcpu": str(c.capacity.vcpu),
             "imp.dev/memory-mib": str(c.capacity.memory_mib),
+            "imp.dev/vcpu-used": str(used.vcpu),
+            "imp.dev/memory-mib-used": str(used.memory_mib),
             "imp.dev/runtime": self.runtime.name,
             "imp.dev/accelerator": c.accelerator,
+            "imp.dev/workdir": str(c.workdir),
+            "imp.dev/preflight": lease_value(self.preflight),
         }
         body = Lease(
             metadata=ObjectMeta(
@@ -357,6 +367,13 @@ class Agent:
             self._local.pop(key, None)
         return action if done else None
 
+    def record_capacity(self) -> Resources:
+        """Export offered and used capacity (metrics); returns what is used."""
+        used = self._used(("", ""))
+        c = self.config
+        metrics.record_capacity(c.node_name, c.capacity, used, len(self.mine.values()))
+        return used
+
     def _used(self, exclude: Key) -> Resources:
         """vCPU/MiB of the VMs bound here and not yet released, other than ``exclude`` (a VM
         whose class was deleted keeps the size it was given)."""
@@ -415,7 +432,7 @@ class Agent:
             if vm is not None:
                 await self._event(vm, step)
             return True
-        if isinstance(step, lc.Stop | lc.Cleanup | lc.Prepare | lc.Start):
+        if isinstance(step, lc.Stop | lc.Cleanup | lc.Prepare | lc.Start | lc.KeepConsole):
             assert req is not None, f"{step} without a request"
             return await self._runtime_step(key, vm, req, local, step)
         assert vm is not None, f"{step} for a VM that is gone"
@@ -428,12 +445,14 @@ class Agent:
             ok = await self._patch_meta(vm, fins, {"spec": {"nodeName": self.config.node_name}})
             if ok:
                 local.size = step.size
+                self.record_capacity()
             return ok
         if isinstance(step, lc.AddFinalizer):
             return await self._patch_meta(vm, [*vm.finalizers, AGENT_FINALIZER])
         if isinstance(step, lc.Release):
             ok = await self._patch_meta(vm, [f for f in vm.finalizers if f != AGENT_FINALIZER])
             if ok:  # capacity freed: the unbound VMs may fit now
+                self.record_capacity()
                 for k in self.unbound.store:
                     self._poke(k)
             return ok
@@ -446,13 +465,22 @@ class Agent:
         facts = local.facts
         if isinstance(step, lc.Stop):
             await self.runtime.stop(req, step.grace_seconds)
+        elif isinstance(step, lc.KeepConsole):
+            try:
+                await self.runtime.keep_console(req, Path(step.path))
+            except OSError as e:  # a full disk must not keep the VM from being cleaned up
+                log.warning("vm %s/%s: console not kept: %s", *key, e)
         elif isinstance(step, lc.Cleanup):
             await self.runtime.cleanup(req)
             facts = replace(facts, cleaned=True)
         elif isinstance(step, lc.Prepare):
             try:
                 await self.runtime.prepare(req)
-                facts = replace(facts, prepared=True)
+                facts = replace(facts, prepared=True, verification=verification(req))
+            except SignatureError as e:
+                facts = replace(
+                    facts, failure=(e.reason, str(e)), verification=verification(req, e)
+                )
             except ImageError as e:
                 facts = replace(facts, failure=("ImagePullFailed", str(e)))
         elif isinstance(step, lc.Start):
@@ -514,6 +542,7 @@ class Agent:
             disk_gib=disk_gib,
             workdir=workdir,
             egress=egress,
+            verify_public_key=spec.verify.public_key if spec and spec.verify else None,
         )
 
     def _written(self, raw: dict[str, Any]) -> None:
@@ -551,6 +580,12 @@ class Agent:
             patch_type=PatchType.MERGE,
         )
         self._written(got.to_dict())
+        old = vm.phase
+        started = vm.vm.status.started_at if vm.vm.status else None
+        if status.get("phase") == "Running" and old != "Running" and started is not None:
+            booted = (dt.datetime.now(dt.UTC) - started).total_seconds()
+            metrics.VM_BOOT.labels(self.config.node_name).observe(max(0.0, booted))
+        record_phase(self.config.node_name, str(old) if old else None, status.get("phase"))
 
     async def _read_jitconfig(self, vm: lc.VMRecord) -> Secret | None:
         """The JIT config from the agent's :class:`JitSource`; None while it is not there

@@ -14,8 +14,15 @@ never by tag):
   unpacked the same way into a second bundle and its rootfs is copied over the base with
   ``cp -a`` so files of the layer win. Limitation: deletions (whiteouts) in the runner layer image
   relative to the *base* image are not applied; the layer can add and replace files only.
+* Signatures (:mod:`impvm.agent.signing`): with ``public_key`` each pinned reference is checked
+  by ``cosign verify`` right before skopeo copies that same digest, so an unsigned, wrongly
+  signed or tampered image or runner layer is refused before a layer is fetched
+  (:class:`~impvm.agent.signing.SignatureError` names it and says why).
 * Prepared images are cached under ``cache_dir/images/<key>`` where ``key`` is derived from the
-  pair (image manifest digest, runner-layer manifest digest). A finished entry is made read-only
+  pair (image manifest digest, runner-layer manifest digest) and, for a verified entry, from the
+  key's fingerprint and both repositories: an entry verified against one key (or pulled without
+  verification) is never handed to a request that requires another key; that request pulls and
+  verifies again. A finished entry is made read-only
   (write bits removed recursively) and is never written by VMs (runtimes mount it read-only).
   A runtime may keep artifacts built from an entry (the ``qemu`` runtime's ext4 image disk) inside
   it (:meth:`ImageStore.derived`), so they count towards the cap and go with their entry.
@@ -47,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from impvm.agent.runtime import ImageError
+from impvm.agent.signing import TrustKey, Verifier
 from impvm.agent.tools import run_tool
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -130,7 +138,9 @@ class PreparedImage:
     ``rootfs``: the directory to use as the guest's ``/`` (never write to it); ``key``: the cache
     key of the (image digest, runner-layer digest) pair; ``image_digest``/``layer_digest``: the
     verified manifest digests; ``size_bytes``: disk usage of the entry in bytes (its tree and
-    the artifacts derived from it).
+    the artifacts derived from it); ``verified_by``: fingerprint (``sha256:<hex>``) of the key
+    whose signatures cosign checked when pulling, None when the entry was pulled without a
+    signature requirement.
     """
 
     rootfs: Path
@@ -138,11 +148,15 @@ class PreparedImage:
     image_digest: str
     layer_digest: str | None
     size_bytes: int
+    verified_by: str | None = None
 
 
-def cache_key(image_digest: str, layer_digest: str | None) -> str:
-    """The cache key of a pair: hex sha256 of ``"<image digest>\\n<layer digest or ->"``."""
-    return hashlib.sha256(f"{image_digest}\n{layer_digest or '-'}".encode()).hexdigest()
+def cache_key(image_digest: str, layer_digest: str | None, trust: str | None = None) -> str:
+    """The cache key of a pair: hex sha256 of ``"<image digest>\\n<layer digest or ->"``, with
+    ``"\\n<trust>"`` appended when the entry is verified (``trust``: the key fingerprint and
+    the repositories, see :meth:`ImageStore.prepare`)."""
+    text = f"{image_digest}\n{layer_digest or '-'}" + (f"\n{trust}" if trust else "")
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _tree_size(path: Path) -> int:
@@ -192,6 +206,7 @@ class ImageStore:
     prepared entries (an entry bigger than the cap alone is still kept while it is the newest);
     ``insecure_registries``: ``host:port`` of registries reached over plain HTTP / without TLS
     verification; only loopback registries are accepted (``ValueError`` otherwise).
+    ``cosign``: the cosign binary that verifies signatures (run only for a ``public_key``).
 
     ``builds`` counts the entries this instance actually built (cache misses), for tests.
     """
@@ -201,6 +216,7 @@ class ImageStore:
         cache_dir: Path,
         max_bytes: int,
         insecure_registries: set[str] | frozenset[str] = frozenset(),
+        cosign: str = "cosign",
     ) -> None:
         for reg in insecure_registries:
             if not _is_loopback(reg):
@@ -220,6 +236,7 @@ class ImageStore:
         self._policy = cache_dir / "policy.json"
         if not self._policy.exists():
             self._policy.write_text(_POLICY)
+        self._verifier = Verifier(cache_dir / "trust", cosign)
 
     # ---------------------------------------------------------------- public
 
@@ -229,15 +246,21 @@ class ImageStore:
         runner_layer: str | None = None,
         allow_unpinned: bool = False,
         auth_file: Path | None = None,
+        public_key: str | None = None,
     ) -> PreparedImage:
         """Pull, verify, unpack and layer ``image`` + ``runner_layer`` (or return the cached entry).
 
         ``auth_file``: a docker-config-style auth file (``{"auths": {...}}``) for both registries.
-        Raises :class:`ImageError` for a tag-only reference without ``allow_unpinned`` (naming the
-        reference), an unknown manifest, a digest mismatch, a registry/auth failure or an unpack
-        failure. Marks the entry as most recently used and then evicts least-recently-used
+        ``public_key``: a PEM public key; when given, both must carry a sigstore signature by it
+        (checked by cosign right before each pull; a cached entry counts only if it was verified
+        against the same key and repositories). Raises :class:`ImageError` for a tag-only reference
+        without ``allow_unpinned`` (naming the reference), an unknown manifest, a digest
+        mismatch, a registry/auth failure or an unpack failure, and its subclass
+        :class:`~impvm.agent.signing.SignatureError` for a missing, foreign or tampered
+        signature. Marks the entry as most recently used and then evicts least-recently-used
         entries above ``max_bytes``.
         """
+        trust = self._verifier.key_for(public_key, "image", image) if public_key else None
         img_digest = await self._resolve(image, allow_unpinned, auth_file)
         img_ref = parse_reference(image)
         layer_ref: ImageRef | None = None
@@ -245,7 +268,12 @@ class ImageStore:
         if runner_layer:
             layer_digest = await self._resolve(runner_layer, allow_unpinned, auth_file)
             layer_ref = parse_reference(runner_layer)
-        key = cache_key(img_digest, layer_digest)
+        scope = None
+        if trust is not None:
+            # signatures live in the image's repository: the same digest elsewhere is verified
+            # there, separately
+            scope = f"{trust.fingerprint}\n{img_ref.name}\n{layer_ref.name if layer_ref else '-'}"
+        key = cache_key(img_digest, layer_digest, scope)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             entry = self._images / key
@@ -253,7 +281,9 @@ class ImageStore:
                 pinned_layer = (
                     f"{layer_ref.name}@{layer_digest}" if layer_ref and layer_digest else None
                 )
-                await self._build(key, f"{img_ref.name}@{img_digest}", pinned_layer, auth_file)
+                await self._build(
+                    key, f"{img_ref.name}@{img_digest}", pinned_layer, auth_file, trust
+                )
             prepared = await asyncio.to_thread(self._load, key)
             self._touch(key)
         await self.evict()
@@ -270,6 +300,13 @@ class ImageStore:
             self._retained[key] = n
         else:
             self._retained.pop(key, None)
+
+    def entry(self, key: str) -> PreparedImage | None:
+        """The complete cache entry ``key`` (blocking), None when it is missing or evicted."""
+        try:
+            return self._load(key)
+        except (OSError, ValueError, KeyError):
+            return None
 
     def entries(self) -> list[PreparedImage]:
         """All complete cache entries, least recently used first."""
@@ -348,6 +385,7 @@ class ImageStore:
             image_digest=info["image_digest"],
             layer_digest=info["layer_digest"],
             size_bytes=int(info["size_bytes"]) + derived,
+            verified_by=info.get("verified_by"),
         )
 
     def _tls_args(self, flag: str, ref: ImageRef) -> list[str]:
@@ -392,7 +430,12 @@ class ImageStore:
         return actual
 
     async def _copy_unpack(
-        self, pinned: str, layout: Path, tag: str, bundle: Path, auth_file: Path | None
+        self,
+        pinned: str,
+        layout: Path,
+        tag: str,
+        bundle: Path,
+        auth_file: Path | None,
     ) -> None:
         ref = parse_reference(pinned)
         auth = ["--src-authfile", str(auth_file)] if auth_file else []
@@ -421,12 +464,27 @@ class ImageStore:
             str(bundle),
         )
 
-    async def _build(self, key: str, image: str, layer: str | None, auth_file: Path | None) -> None:
+    async def _build(
+        self,
+        key: str,
+        image: str,
+        layer: str | None,
+        auth_file: Path | None,
+        trust: TrustKey | None,
+    ) -> None:
         work = self._tmp / f"build-{key}-{uuid.uuid4().hex}"
         work.mkdir(mode=0o700)
         try:
             layout = work / "oci"
             bundle = work / "entry"
+            if trust is not None:
+                # both before either is pulled; the pulls below name the same pinned digests
+                for role, pinned in (("image", image), ("runner layer", layer)):
+                    if pinned is not None:
+                        insecure = parse_reference(pinned).registry in self.insecure_registries
+                        await self._verifier.verify(
+                            trust, role, pinned, insecure=insecure, auth_file=auth_file
+                        )
             await self._copy_unpack(image, layout, "image", bundle, auth_file)
             if layer is not None:
                 layer_bundle = work / "layer"
@@ -446,6 +504,7 @@ class ImageStore:
                 "runner_layer": layer,
                 "layer_digest": parse_reference(layer).digest if layer else None,
                 "size_bytes": size,
+                "verified_by": trust.fingerprint if trust else None,
                 "created": time.time(),
             }
             (bundle / _INFO).write_text(json.dumps(info, indent=1) + "\n")

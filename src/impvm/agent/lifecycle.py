@@ -16,10 +16,19 @@ The ladder, first match wins (each rung names its :class:`Why`):
    finalizer (never before the runtime reported the VM stopped and its files are removed);
 5. bound here without the finalizer (created with ``spec.nodeName``): add it;
 6. not started (no phase, Pending, Scheduled): report Scheduled, prepare the image (pull by
-   digest, verify, unpack), wait for the JIT config Secret, start;
+   digest, verify, check signatures when the VM requires them, unpack), wait for the JIT
+   config Secret, start;
 7. started (Starting, Running): report Running; finish with the runner's exit (Succeeded on 0);
    fail on the ``expireAfter`` deadline (DeadlineExceeded), on a start that takes longer than
    the start timeout (StartTimeout), or when the runtime no longer knows the VM (Lost).
+
+After an agent restart nothing of :class:`LocalFacts` is left, and none is needed: a runtime whose
+VMs outlive the agent process (``qemu``) re-attaches a VM it finds running when first asked about
+it, so the runtime reports ``starting``/``running`` and rung 7 carries on watching it (no second
+:class:`Start`, so no second JIT config; a VM still in a not-started phase is reported started by
+rung 6), or ``exited`` with the exit code the VM reported while no agent ran, which rung 7 reports
+as for any exit. Only a VM the runtime cannot re-attach (``missing``: the ``process`` runtime's
+sandboxes die with the agent) is Lost.
 
 The VM's own network (:mod:`impvm.agent.network`) sits at the two ends of the runtime's run: the
 runtime attaches it inside :class:`Start` just before the launch and detaches it inside
@@ -28,9 +37,9 @@ attach is a StartFailed like any other and every path that cleans a VM up remove
 
 Where later capabilities slot in, without reshaping: a failing host preflight already gates
 claims (:class:`Preflight`); signature verification is part of :class:`Prepare`
-(its failure arrives as :attr:`LocalFacts.failure`); keeping the console of a failed VM is an
-option of :class:`Cleanup` chosen in :func:`_fail`/:func:`_finish`; re-attaching a VM that
-survived an agent restart is a runtime status other than ``missing`` handled in rung 7.
+(a refusal arrives as :attr:`LocalFacts.failure`, every outcome as
+:attr:`LocalFacts.verification`, reported in the ``ImageVerified`` condition); keeping the
+console of a failed VM is an option of :class:`Cleanup` chosen in :func:`_fail`/:func:`_finish`.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from enum import StrEnum
 from typing import Any
 
 from impvm.agent.capacity import Resources, fits
-from impvm.agent.runtime import RuntimeState
+from impvm.agent.runtime import RuntimeState, Verification
 from impvm.api.durations import resolve_expire_after
 from impvm.api.models import (
     AGENT_FINALIZER,
@@ -58,8 +67,12 @@ from impvm.api.times import k8s_time
 NOT_STARTED: frozenset[VMPhase | None] = frozenset({None, VMPhase.PENDING, VMPhase.SCHEDULED})
 #: Condition an agent sets on a VM whose ImpVMClass does not exist.
 CLASS_MISSING = "ClassMissing"
+#: Condition reporting the signature check of a VM's image and runner layer.
+IMAGE_VERIFIED = "ImageVerified"
 #: How much of a console tail or failure message goes into ``status.message`` / an Event.
 MESSAGE_CHARS = 2000
+#: console lines a failed VM's status carries (``status.consoleTail``)
+CONSOLE_TAIL_LINES = 20
 EVENT_CHARS = 500
 
 
@@ -150,6 +163,8 @@ class Policy:
     start_timeout_seconds: float = 300.0
     stop_grace_seconds: float = 10.0
     jit_retry_seconds: float = 2.0
+    #: where the consoles of failed VMs are kept on this node ("": not kept)
+    console_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -159,13 +174,17 @@ class LocalFacts:
 
     ``prepared``: its image is ready; ``failure``: ``(exitReason, message)`` of a prepare or
     start that failed; ``jit_missing_at``: when a start found no JIT config in the VM's Secret;
-    ``cleaned``: the runtime removed everything of the VM since it last ran.
+    ``cleaned``: the runtime removed everything of the VM since it last ran;
+    ``verification``: the outcome of the signature check of a VM whose spec has ``verify``
+    (made in :class:`Prepare`; a refusal also sets ``failure``), reported in its
+    ``ImageVerified`` condition.
     """
 
     prepared: bool = False
     failure: tuple[str, str] | None = None
     jit_missing_at: datetime | None = None
     cleaned: bool = False
+    verification: Verification | None = None
 
 
 @dataclass(frozen=True)
@@ -224,8 +243,10 @@ class Emit:
 
 @dataclass(frozen=True)
 class Prepare:
-    """Make the image and runner layer ready (the runtime's ``prepare``); a failure is
-    remembered as :attr:`LocalFacts.failure` (ImagePullFailed)."""
+    """Make the image and runner layer ready (the runtime's ``prepare``, which checks their
+    signatures when the VM requires it); a failure is remembered as :attr:`LocalFacts.failure`
+    (ImagePullFailed, or the signature refusal's reason), a signature check's outcome as
+    :attr:`LocalFacts.verification`."""
 
 
 @dataclass(frozen=True)
@@ -243,6 +264,14 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class KeepConsole:
+    """Copy the VM's console, bounded and with its JIT config scrubbed, to ``path`` (before
+    :class:`Cleanup` removes the original); old kept consoles beyond the node's bound go."""
+
+    path: str
+
+
+@dataclass(frozen=True)
 class Cleanup:
     """Remove everything of the VM on this node (the runtime's ``cleanup``)."""
 
@@ -252,7 +281,18 @@ class Release:
     """Remove the agent finalizer (conditional on the observed resourceVersion)."""
 
 
-Step = Claim | AddFinalizer | PatchStatus | Emit | Prepare | Start | Stop | Cleanup | Release
+Step = (
+    Claim
+    | AddFinalizer
+    | PatchStatus
+    | Emit
+    | Prepare
+    | Start
+    | Stop
+    | KeepConsole
+    | Cleanup
+    | Release
+)
 
 
 class Why(StrEnum):
@@ -344,7 +384,11 @@ def _unbound(obs: VMObservation, vm: VMRecord) -> AgentAction:
         return AgentAction(Why.PREFLIGHT_FAILED, forget=True)
     if not fits(obs.capacity, obs.used, obs.size):
         return AgentAction(Why.NO_CAPACITY, forget=True)
-    status: dict[str, Any] = {"phase": VMPhase.SCHEDULED, "nodeName": obs.node}
+    status: dict[str, Any] = {
+        "phase": VMPhase.SCHEDULED,
+        "nodeName": obs.node,
+        "timings": {"scheduledAt": k8s_time(obs.now)},
+    }
     status.update(_class_found(obs, vm))
     steps: tuple[Step, ...] = (
         Claim(obs.size),
@@ -379,6 +423,30 @@ def _class_found(obs: VMObservation, vm: VMRecord) -> dict[str, Any]:
     return {"conditions": _set_condition(vm, CLASS_MISSING, False, "Found", message, obs.now)}
 
 
+def _verified(
+    obs: VMObservation, vm: VMRecord, conditions: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """Status fields setting the ``ImageVerified`` condition from the signature check this
+    agent made (on top of ``conditions`` when this decision already changes others); ``{}``
+    when there is none or the VM already shows it."""
+    v = obs.local.verification
+    if v is None:
+        return {}
+    current = vm.condition(IMAGE_VERIFIED)
+    value = "True" if v.verified else "False"
+    if current is not None and (current.status, current.reason, current.message) == (
+        value,
+        v.reason,
+        v.message,
+    ):
+        return {}
+    return {
+        "conditions": _set_condition(
+            vm, IMAGE_VERIFIED, v.verified, v.reason, v.message, obs.now, conditions
+        )
+    }
+
+
 def _wind_down(obs: VMObservation, vm: VMRecord, why: Why) -> AgentAction:
     """Deleted or finished: stop, clean up, then (a later decision, once the runtime reports
     the VM stopped and this agent cleaned it up) release the finalizer."""
@@ -411,8 +479,13 @@ def _boot(obs: VMObservation, vm: VMRecord) -> AgentAction:
         return _refuse_class(obs, vm, "booted")
     steps: list[Step] = []
     report: dict[str, Any] = _class_found(obs, vm)
+    report |= _verified(obs, vm, report.get("conditions"))
     if vm.phase != VMPhase.SCHEDULED:
-        report |= {"phase": VMPhase.SCHEDULED, "nodeName": obs.node}
+        report |= {
+            "phase": VMPhase.SCHEDULED,
+            "nodeName": obs.node,
+            "timings": {"scheduledAt": k8s_time(obs.now)},
+        }
     if report:
         steps.append(PatchStatus(report))
     local = obs.local
@@ -437,7 +510,7 @@ def _started(obs: VMObservation, vm: VMRecord) -> AgentAction:
     rt = obs.runtime
     if rt.status == "missing":
         return _fail(
-            obs, Why.LOST, "Lost", "the runtime no longer knows this VM (agent restarted?)"
+            obs, Why.LOST, "Lost", "the runtime no longer knows this VM (lost in an agent restart?)"
         )
     if rt.status == "exited":
         return _finish(obs, rt)
@@ -450,7 +523,8 @@ def _started(obs: VMObservation, vm: VMRecord) -> AgentAction:
     tick = obs.policy.tick_seconds
     if rt.status == "running":
         if vm.phase != VMPhase.RUNNING:
-            return AgentAction(Why.REPORT_RUNNING, (PatchStatus({"phase": VMPhase.RUNNING}),), tick)
+            booted = {"phase": VMPhase.RUNNING, "timings": {"bootedAt": k8s_time(obs.now)}}
+            return AgentAction(Why.REPORT_RUNNING, (PatchStatus(booted),), tick)
         return AgentAction(Why.RUNNING, recheck_seconds=tick)
     if started and running_for >= obs.policy.start_timeout_seconds:
         return _fail(obs, Why.START_TIMEOUT, "StartTimeout", rt.log_tail, stop=True)
@@ -466,13 +540,51 @@ def _finish(obs: VMObservation, rt: RuntimeState) -> AgentAction:
         "exitCode": code,
         "exitReason": "Completed" if code == 0 else "Error",
         "finishedAt": k8s_time(rt.finished_at or obs.now),
+        "timings": {"finishedAt": k8s_time(rt.finished_at or obs.now)},
     }
     if code == 0:
-        event = Emit("Succeeded", "runner exited 0")
+        steps: tuple[Step, ...] = (PatchStatus(status), Emit("Succeeded", "runner exited 0"))
     else:
         status["message"] = rt.log_tail[-MESSAGE_CHARS:]
-        event = Emit("Failed", f"runner exited {code}", warning=True)
-    return AgentAction(Why.EXITED, (PatchStatus(status), event, Cleanup()), recheck_seconds=0)
+        keep, extra = _keep_console(obs, rt.log_tail)
+        status |= extra
+        steps = (
+            *keep,
+            PatchStatus(status),
+            Emit("Failed", f"runner exited {code}", warning=True),
+            *_console_event(obs, extra),
+        )
+    return AgentAction(Why.EXITED, (*steps, Cleanup()), recheck_seconds=0)
+
+
+def console_tail(text: str) -> str:
+    """The last :data:`CONSOLE_TAIL_LINES` lines of ``text``, at most :data:`MESSAGE_CHARS`."""
+    return "\n".join(text.splitlines()[-CONSOLE_TAIL_LINES:])[-MESSAGE_CHARS:]
+
+
+def _keep_console(obs: VMObservation, tail: str) -> tuple[tuple[Step, ...], dict[str, Any]]:
+    """The step keeping a failed VM's console and the status fields naming it: ``consoleTail``
+    (its last lines) and ``consoleLog`` (``<node>:<path>``)."""
+    fields: dict[str, Any] = {}
+    if tail:
+        fields["consoleTail"] = console_tail(tail)
+    if not obs.policy.console_dir or obs.vm is None:
+        return (), fields
+    path = f"{obs.policy.console_dir}/{obs.vm.vm_id}.log"
+    fields["consoleLog"] = f"{obs.node}:{path}"
+    return (KeepConsole(path),), fields
+
+
+def _console_event(obs: VMObservation, fields: Mapping[str, Any]) -> tuple[Step, ...]:
+    """The Event saying where the full console is."""
+    where = fields.get("consoleLog")
+    if not where or obs.vm is None:
+        return ()
+    node, _, path = str(where).partition(":")
+    text = (
+        f"console log kept on node {node} at {path}; impvm logs -n {obs.vm.namespace} {obs.vm.name}"
+    )
+    return (Emit("ConsoleLogKept", text),)
 
 
 def _fail(
@@ -489,26 +601,44 @@ def _fail(
     steps: list[Step] = list(before)
     if stop:
         steps.append(Stop(obs.policy.stop_grace_seconds))
-    status = {
+    status: dict[str, Any] = {
         "phase": VMPhase.FAILED,
         "exitReason": reason,
         "finishedAt": k8s_time(obs.now),
+        "timings": {"finishedAt": k8s_time(obs.now)},
         "message": message[-MESSAGE_CHARS:],
     }
-    steps += [PatchStatus(status), Emit(reason, message[-EVENT_CHARS:], warning=True), Cleanup()]
+    keep, extra = _keep_console(obs, obs.runtime.log_tail)
+    status |= extra
+    steps += [
+        *keep,
+        PatchStatus(status),
+        Emit(reason, message[-EVENT_CHARS:], warning=True),
+        *_console_event(obs, extra),
+        Cleanup(),
+    ]
     return AgentAction(why, tuple(steps), recheck_seconds=0)
 
 
 def _set_condition(
-    vm: VMRecord, type_: str, status: bool, reason: str, message: str, now: datetime
+    vm: VMRecord,
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: datetime,
+    conditions: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """The VM's conditions (wire form, sorted by type) with ``type_`` set; its
-    lastTransitionTime moves only when its status flips (Kubernetes API conventions)."""
+    """The VM's conditions (wire form, sorted by type; ``conditions``: instead of the VM's, when
+    this decision already changed them) with ``type_`` set; its lastTransitionTime moves only
+    when its status flips (Kubernetes API conventions)."""
     value = "True" if status else "False"
-    out = {
-        c.type: c.model_dump(by_alias=True, exclude_none=True, mode="json")
-        for c in vm.status.conditions or ()
-    }
+    if conditions is None:
+        conditions = [
+            c.model_dump(by_alias=True, exclude_none=True, mode="json")
+            for c in vm.status.conditions or ()
+        ]
+    out = {c["type"]: dict(c) for c in conditions}
     old = out.get(type_)
     since = old["lastTransitionTime"] if old and old.get("status") == value else k8s_time(now)
     out[type_] = {

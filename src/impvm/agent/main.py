@@ -11,10 +11,14 @@ from pathlib import Path
 
 from lightkube import AsyncClient
 
+from impvm import metrics_http
+from impvm.agent import doctor
 from impvm.agent.agent import Agent, AgentConfig
 from impvm.agent.capacity import Resources
+from impvm.agent.doctor import Check
 from impvm.agent.images import ImageStore
 from impvm.agent.jitsource import JitSource, OperatorJitSource
+from impvm.agent.lifecycle import Preflight
 from impvm.agent.network.node import NetworkError, NodeNetwork, host_resolvers
 from impvm.agent.network.ruleset import NetConfig
 from impvm.agent.process import ProcessRuntime
@@ -22,6 +26,9 @@ from impvm.agent.qemu import QemuRuntime, create_qemu_runtime
 from impvm.agent.runtime import Runtime, VMRuntimeError
 
 log = logging.getLogger("impvm.agent")
+
+#: loopback: the node's VMs and other tenants cannot read it; a DaemonSet sets the pod address
+DEFAULT_METRICS_ADDRESS = "127.0.0.1:9464"
 
 
 def default_node_name() -> str:
@@ -47,13 +54,15 @@ def make_runtime(
     qemu_kernel: Path | None = None,
     qemu_accelerator: str = "auto",
     network: NodeNetwork | None = None,
+    cosign: str = "cosign",
 ) -> Runtime:
     """The runtime called ``name``: ``process`` (bubblewrap) or ``qemu`` (a VM per job; finds the
     kernel, builds the guest initramfs and probes the accelerator with real boots, which takes
     seconds). ``qemu_accelerator``: ``auto``, ``kvm`` or ``tcg``. Raises ``ValueError`` for an
     unknown or unavailable runtime (the message says why). ``network``: the node's guest networks
-    (``None``: no isolation, development only)."""
-    store = ImageStore(workdir / "images", image_cache_bytes, insecure_registries)
+    (``None``: no isolation, development only). ``cosign``: the binary verifying signed images
+    (run only for VMs whose spec has ``verify``)."""
+    store = ImageStore(workdir / "images", image_cache_bytes, insecure_registries, cosign)
     if name == "process":
         return ProcessRuntime(store, extra_ro_binds=ro_binds, network=network)
     if name == "qemu":
@@ -115,18 +124,33 @@ async def run(
     runtime: Runtime,
     jit: JitSource,
     network: NodeNetwork | None = None,
+    metrics_address: tuple[str, int] | None = None,
+    preflight: Preflight | None = None,
 ) -> None:
     """Run the agent until cancelled (credentials from KUBECONFIG or the ServiceAccount); first
     rebuild the node's guest networks from what is running. ``jit``: where JIT configs come
-    from."""
+    from. ``metrics_address``: where ``GET /metrics`` and ``GET /healthz`` are served (None: not
+    served)."""
     if network is not None:
         await network.start()
+    server = None
+    if metrics_address is not None:
+        try:
+            server = await metrics_http.start(metrics_http.make_app(), *metrics_address)
+        except OSError as exc:  # one line, like a bad option
+            host, port = metrics_address
+            raise SystemExit(
+                f"impvm agent: --metrics-address {host}:{port}: {exc.strerror}"
+            ) from None
+        log.info("metrics on %s:%d", *metrics_address)
     kube = AsyncClient(field_manager="impvm-agent")
     try:
-        await Agent(kube, runtime, config, jit=jit).run()
+        await Agent(kube, runtime, config, preflight, jit=jit).run()
     finally:
         await kube.close()
         await jit.close()
+        if server is not None:
+            await server.cleanup()
 
 
 def main(
@@ -146,15 +170,23 @@ def main(
     guest_dns: list[str] | None = None,
     network_table: str = "impvm",
     network_prefix: str = "impvm",
+    metrics_address: str = DEFAULT_METRICS_ADDRESS,
+    cosign: str = "cosign",
     operator_url: str | None = None,
     token_file: Path = Path("/var/run/secrets/impvm/token"),
 ) -> None:
-    """Blocking entry point of the CLI."""
+    """Blocking entry point of the CLI. ``metrics_address``: ``HOST:PORT`` of ``/metrics``, or
+    ``""`` for none."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if not operator_url:
         print("impvm agent: --operator-url is required (the JIT config hand-out)", file=sys.stderr)
         raise SystemExit(2)
     workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        metrics_at = metrics_http.parse_address(metrics_address) if metrics_address else None
+    except ValueError as exc:
+        print(f"impvm agent: --metrics-address {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         network = make_network(
             workdir, guest_network, guest_subnet, guest_dns, network_table, network_prefix
@@ -162,16 +194,40 @@ def main(
     except ValueError as exc:  # a bad option: one line naming it, exit 2
         print(f"impvm agent: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    runtime = make_runtime(
-        runtime_name,
-        workdir,
-        image_cache_mib * 1024 * 1024,
-        set(insecure_registries),
-        ro_binds,
-        qemu_kernel,
-        qemu_accelerator,
-        network,
+    # the host preflight (impvm doctor): the qemu runtime probes its accelerator itself
+    checks = asyncio.run(
+        doctor.run_checks(
+            runtime_name,
+            workdir,
+            qemu_kernel=qemu_kernel,
+            guest_network=guest_network,
+            probe=False,
+        )
     )
+    for line in doctor.lines(checks):
+        log.info("preflight: %s", line)
+    try:
+        runtime: Runtime = make_runtime(
+            runtime_name,
+            workdir,
+            image_cache_mib * 1024 * 1024,
+            set(insecure_registries),
+            ro_binds,
+            qemu_kernel,
+            qemu_accelerator,
+            network,
+            cosign,
+        )
+    except ValueError as exc:
+        if runtime_name not in ("qemu", "process"):
+            raise
+        # the runtime cannot work here: run anyway, claim nothing, say why on the Lease
+        checks.append(Check(f"runtime {runtime_name}", False, str(exc), "see the checks above"))
+        store = ImageStore(workdir / "images", image_cache_mib * 1024 * 1024, set())
+        runtime = ProcessRuntime(store)
+    preflight = doctor.verdict(checks)
+    if not preflight.ok:
+        log.error("preflight failed, this agent claims no VMs: %s", preflight.reason)
     config = AgentConfig(
         node_name=node_name,
         capacity=Resources(vcpu, memory_mib),
@@ -180,6 +236,15 @@ def main(
         accelerator=str(runtime.accel) if isinstance(runtime, QemuRuntime) else "none",
     )
     try:
-        asyncio.run(run(config, runtime, OperatorJitSource(operator_url, token_file), network))
+        asyncio.run(
+            run(
+                config,
+                runtime,
+                OperatorJitSource(operator_url, token_file),
+                network,
+                metrics_at,
+                preflight,
+            )
+        )
     except NetworkError as exc:  # the node cannot isolate its VMs: do not run any
         raise SystemExit(f"impvm agent: guest networks: {exc}") from None

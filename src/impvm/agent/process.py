@@ -36,9 +36,12 @@ real GitHub runner writes ``.runner``/``_diag`` under ``/home/runner/actions-run
 ``qemu`` runtime or a writable bind; the stand-in runner only writes to ``_work`` and ``/tmp``.
 
 State lives in memory (the agent is bwrap's parent and ``--die-with-parent`` ends VMs with it), so
-after an agent restart ``inspect`` reports ``missing``. Start, wait, tail, stop, cleanup and the
-network attach/detach are :class:`~impvm.agent.runtime_base.RuntimeBase`'s; this module supplies
-the sandbox.
+after an agent restart ``inspect`` reports ``missing`` and the VM is Lost: this runtime does not
+re-attach. It could not without reshaping the sandbox: bwrap's status stream and the runner's
+console are pipes the agent owns, and the sandbox's pid namespace ends with bwrap, so a sandbox
+kept alive would run on with nobody reading its output; the ``qemu`` runtime re-attaches.
+Start, wait, tail, stop, cleanup and the network attach/detach are
+:class:`~impvm.agent.runtime_base.RuntimeBase`'s; this module supplies the sandbox.
 """
 
 from __future__ import annotations

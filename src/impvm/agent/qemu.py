@@ -39,27 +39,41 @@ its egress policy; the guest's address, gateway and resolvers arrive in ``opt/im
 user-mode networking (slirp): guest 10.0.2.15/24, gateway 10.0.2.2 = the host's loopback, DNS
 10.0.2.3 - no isolation at all, the guest reaches every host loopback service.
 
-Lifetime: QEMU runs as a child of the agent with ``PR_SET_PDEATHSIG=SIGKILL``, so VMs die with
-the agent (like bubblewrap's ``--die-with-parent``); after an agent restart ``inspect`` reports
-``missing`` and ``cleanup`` removes what is left (QEMU's pid file is checked and a survivor
-killed). Start, wait, tail, stop, cleanup and the network attach/detach are
-:class:`~impvm.agent.runtime_base.RuntimeBase`'s; this module supplies the VM.
+Lifetime: a VM outlives the agent process, so a job survives an agent crash or upgrade. QEMU runs
+in a session of its own (``setsid``: no signal to the agent's process group reaches it) and
+nothing ties it to its parent (no parent-death signal; started with ``subprocess.Popen`` and
+watched through a pidfd, :meth:`~impvm.agent.survivor.AdoptedProcess.launch`, because an asyncio
+subprocess is killed when the agent's event loop closes on a graceful exit); under systemd
+(``/run/systemd/system``, root) it is started through
+``systemd-run --scope`` in ``impvm-vms.slice``, a cgroup of its own, so stopping or restarting the
+agent's unit leaves it alone. Everything a new agent process needs is in the VM's private workdir:
+the console and status files, the control socket, and ``qemu.json`` (written at launch: QEMU's
+:class:`~impvm.agent.survivor.ProcessIdentity` - pid, boot id, start time, so a reused pid is
+never taken for the VM - its image's cache key and its start time). The JIT config pipe was
+consumed at boot and is never needed again. A new agent's :meth:`inspect` of a VM it does not
+know re-attaches it (:meth:`_adopt`): a running QEMU is watched through a pidfd and stopped through
+its control socket as before; one that ended while no agent ran is reported with the exit code
+its guest wrote to the status port (-1 when there is none). ``cleanup`` kills a QEMU still
+running (by its identity) and removes everything. Start, wait, tail, stop, cleanup and the network
+attach/detach are :class:`~impvm.agent.runtime_base.RuntimeBase`'s; this module supplies the VM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
-import signal
+import subprocess
+import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from impvm.agent.images import EvictedError, ImageStore, PreparedImage
 from impvm.agent.network.node import GuestNetwork, NodeNetwork
@@ -73,6 +87,7 @@ from impvm.agent.qemu_accel import (
 from impvm.agent.qemu_guest import GuestAssetError, Kernel, build_initramfs, find_kernel
 from impvm.agent.runtime import ImageError, Secret, VMRequest, VMRuntimeError
 from impvm.agent.runtime_base import CONSOLE_LOG, LaunchedVM, RuntimeBase, guest_hostname
+from impvm.agent.survivor import AdoptedProcess, ProcessIdentity, SecretPrint, identity_of
 from impvm.agent.tools import run_tool
 
 _STATUS = "status.log"
@@ -82,15 +97,12 @@ _PIDFILE = "qemu.pid"
 _DISK = "root.ext4"
 _EXIT_RE = re.compile(rb"IMPVM-STATUS exit (-?\d+)")
 _MAX_JIT_BYTES = 1 << 20
-_PR_SET_PDEATHSIG = 1
+#: The launch record a new agent process re-attaches the VM from.
+_RECORD = "qemu.json"
+#: The systemd slice VMs run in when the agent runs under systemd.
+VM_SLICE = "impvm-vms.slice"
 #: virtio-mmio transports of QEMU's microvm machine; more devices need q35.
 _MICROVM_TRANSPORTS = 8
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """preexec_fn: SIGKILL this process when its parent (the agent) dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _control_path(workdir: Path) -> Path:
@@ -106,18 +118,73 @@ def _control_path(workdir: Path) -> Path:
     return short / (hashlib.sha256(str(workdir).encode()).hexdigest()[:24] + ".sock")
 
 
-def _kill_pidfile(workdir: Path) -> None:
-    """Kill a QEMU left behind by an earlier agent (pid from its pid file, only when that pid
-    still runs QEMU with this VM's pid file path on its command line)."""
-    pidfile = workdir / _PIDFILE
+def read_record(workdir: Path) -> dict[str, Any] | None:
+    """The VM's launch record (``qemu.json``), None when there is none or it is unreadable."""
     try:
-        pid = int(pidfile.read_text().strip())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, ValueError):
-        return
-    if str(pidfile).encode() in cmdline:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        rec = json.loads((workdir / _RECORD).read_text())
+        int(rec["pid"]), str(rec["start"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return dict(rec)
+
+
+def _write_record(workdir: Path, rec: dict[str, Any]) -> None:
+    tmp = workdir / f".{_RECORD}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(rec, f)
+    os.replace(tmp, workdir / _RECORD)
+
+
+def kill_recorded(workdir: Path) -> bool:
+    """SIGKILL the QEMU of the VM in ``workdir`` if it still runs (found by its launch record's
+    identity, never by a pid alone). Returns whether one was killed (blocking)."""
+    rec = read_record(workdir)
+    if rec is None:
+        return False
+    p = AdoptedProcess.open(ProcessIdentity(int(rec["pid"]), str(rec["start"])))
+    try:
+        p.kill()
+    except ProcessLookupError:
+        return False
+    finally:
+        p.close()
+    return True
+
+
+def kill_all_recorded(agent_workdir: Path) -> int:
+    """Kill every VM the agent with ``agent_workdir`` left running (``impvm up`` stopping for
+    good, tests). Returns how many were killed (blocking)."""
+    vms = agent_workdir / "vms"
+    if not vms.is_dir():
+        return 0
+    return sum(kill_recorded(d) for d in sorted(vms.iterdir()) if d.is_dir())
+
+
+def systemd_scope_available() -> bool:
+    """Whether VMs can get a systemd scope of their own: systemd is the init system
+    (``/run/systemd/system``, sd_booted(3)), ``systemd-run`` exists and the agent is root."""
+    return (
+        Path("/run/systemd/system").is_dir()
+        and shutil.which("systemd-run") is not None
+        and os.geteuid() == 0
+    )
+
+
+def scope_prefix(vm_id: str) -> list[str]:
+    """The ``systemd-run`` words that start a VM in a transient scope of its own in
+    :data:`VM_SLICE` (``--scope`` execs the command in place: the pid is QEMU's)."""
+    unit = "impvm-vm-" + hashlib.sha256(vm_id.encode()).hexdigest()[:16]
+    return [
+        "systemd-run",
+        "--scope",
+        "--quiet",
+        "--collect",
+        f"--slice={VM_SLICE}",
+        f"--unit={unit}",
+        f"--description=impvm VM {vm_id}",
+        "--",
+    ]
 
 
 class QemuRuntime(RuntimeBase[LaunchedVM]):
@@ -130,7 +197,8 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
     the runtime (guest assets); ``extra_ro_binds``: host paths shared read-only at the same path;
     ``auth_file``: registry auth for pulls; ``qemu``: the QEMU executable; ``tail_lines``: lines in
     :attr:`RuntimeState.log_tail`; ``network``: the node's guest networks (``None``: user-mode
-    networking, no isolation).
+    networking, no isolation); ``systemd_scope``: start each VM in a systemd scope of its own
+    (None: when :func:`systemd_scope_available`).
     """
 
     name = "qemu"
@@ -149,8 +217,10 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
         qemu: str = "qemu-system-x86_64",
         tail_lines: int = 40,
         network: NodeNetwork | None = None,
+        systemd_scope: bool | None = None,
     ) -> None:
         super().__init__(store, auth_file=auth_file, tail_lines=tail_lines, network=network)
+        self.systemd_scope = systemd_scope_available() if systemd_scope is None else systemd_scope
         self.kernel = kernel
         self.initramfs = initramfs
         self.accel = accel
@@ -258,8 +328,11 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             str(self.initramfs),
             "-append",
             append,
+            # appended, so the agent can compact a long console in place (runtime_base)
+            "-chardev",
+            f"file,id=console,path={wd / CONSOLE_LOG},append=on",
             "-serial",
-            f"file:{wd / CONSOLE_LOG}",
+            "chardev:console",
             # ttyS1/ttyS2 as explicit ISA UARTs: microvm creates only ttyS0 from -serial
             "-chardev",
             f"file,id=status,path={wd / _STATUS}",
@@ -334,14 +407,19 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             cfg_r = _pipe_with(config, fds)
             logfd = os.open(wd / CONSOLE_LOG, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
             fds.append(logfd)
-            proc = await asyncio.create_subprocess_exec(
-                *self._qemu_args(req, disk, jit_r, cfg_r, net),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
+            args = self._qemu_args(req, disk, jit_r, cfg_r, net)
+            if self.systemd_scope:
+                args = [*scope_prefix(req.vm_id), *args]
+            # a session of its own, no parent-death signal, and not an asyncio subprocess (whose
+            # transport kills it when the agent's event loop closes): the VM outlives the agent
+            proc = AdoptedProcess.launch(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
                 stderr=logfd,
                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
                 pass_fds=(jit_r, cfg_r),
-                preexec_fn=_die_with_parent,
+                start_new_session=True,
             )
         except (OSError, VMRuntimeError) as exc:
             raise VMRuntimeError(f"starting QEMU for VM {req.vm_id} failed: {exc}") from None
@@ -349,7 +427,47 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        return LaunchedVM(proc=proc, prepared=prepared, secret=jitconfig.reveal(), workdir=wd)
+        vm = LaunchedVM(proc=proc, prepared=prepared, secret=jitconfig.reveal(), workdir=wd)
+        ident = identity_of(proc.pid)
+        if ident is not None:  # None: it ended already, the reaper reports it
+            rec = {
+                "pid": ident.pid,
+                "start": ident.start,
+                "image": prepared.key,
+                "imageDigest": prepared.image_digest,
+                "layerDigest": prepared.layer_digest,
+                "startedAt": vm.started_at.timestamp(),
+                # to scrub the console of a re-attached VM: not the config, nothing that gives it
+                "jit": SecretPrint.of(vm.secret).to_record(),
+            }
+            await asyncio.to_thread(_write_record, wd, rec)
+        return vm
+
+    async def _adopt(self, req: VMRequest) -> LaunchedVM | None:
+        """Re-attach the VM an earlier agent process launched (its launch record in the
+        workdir): running, it is watched through a pidfd; ended, it is reported with its
+        guest's exit code. None when there is no record (never launched, or cleaned up)."""
+        rec = await asyncio.to_thread(read_record, req.workdir)
+        if rec is None:
+            return None
+        proc = AdoptedProcess.open(ProcessIdentity(int(rec["pid"]), str(rec["start"])))
+        key = str(rec.get("image") or "")
+        prepared = await asyncio.to_thread(self.store.entry, key) or PreparedImage(
+            rootfs=Path("/nonexistent"),  # evicted meanwhile: QEMU keeps its open disk
+            key=key,
+            image_digest=str(rec.get("imageDigest") or ""),
+            layer_digest=rec.get("layerDigest"),
+            size_bytes=0,
+        )
+        started = datetime.fromtimestamp(float(rec.get("startedAt") or time.time()), UTC)
+        vm = LaunchedVM(proc=proc, prepared=prepared, secret="", workdir=req.workdir)
+        vm.started_at = started
+        vm.secret_print = SecretPrint.from_record(rec.get("jit"))
+        if proc.returncode is not None:  # ended while no agent ran
+            vm.exit_code = await self._exit_code(vm, 0)
+            st = await asyncio.to_thread(_mtime, req.workdir / _STATUS)
+            vm.finished_at = datetime.fromtimestamp(st, UTC) if st else datetime.now(UTC)
+        return vm
 
     async def _exit_code(self, vm: LaunchedVM, returncode: int) -> int:
         """The guest init's report (``IMPVM-STATUS exit <code>`` on ttyS1); -1 for a VM that was
@@ -378,11 +496,61 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
                 vm.proc.terminate()
 
     def _remove_leftovers(self, workdir: Path) -> None:
-        """Kill a QEMU left by an earlier agent (pid file) and remove the control socket (which
-        may live outside the workdir)."""
-        _kill_pidfile(workdir)
+        """Kill a QEMU left running by an earlier agent (by its launch record) and remove the
+        control socket (which may live outside the workdir)."""
+        kill_recorded(workdir)
         with contextlib.suppress(OSError, VMRuntimeError):
             _control_path(workdir).unlink(missing_ok=True)
+
+
+def _probe_key(qemu: str, kernel: Path, initramfs: Path, prefer: str) -> str:
+    """What an accelerator probe depends on: the machine's boot, the QEMU binary, the kernel, the
+    initramfs and the preference."""
+    parts: list[str] = [prefer]
+    with contextlib.suppress(OSError):
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+    for f in (shutil.which(qemu) or qemu, kernel, initramfs):
+        try:
+            st = os.stat(f)
+            parts.append(f"{os.path.realpath(f)}:{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            parts.append(str(f))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _cached_choice(cache: Path, key: str) -> AccelChoice | None:
+    try:
+        rec = json.loads(cache.read_text())
+        if rec.get("key") != key:
+            return None
+        return AccelChoice(
+            accel=rec["accel"],
+            machine=rec["machine"],
+            reason=f"{rec['reason']}; probed earlier this boot",
+            boot_seconds=float(rec["boot_seconds"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_choice(cache: Path, key: str, choice: AccelChoice) -> None:
+    rec = {
+        "key": key,
+        "accel": choice.accel,
+        "machine": choice.machine,
+        "reason": choice.reason,
+        "boot_seconds": choice.boot_seconds,
+    }
+    tmp = cache.with_name(f".{cache.name}.tmp")
+    tmp.write_text(json.dumps(rec))
+    os.replace(tmp, cache)
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -426,14 +594,21 @@ async def create_qemu_runtime(
 ) -> QemuRuntime:
     """Set up the ``qemu`` runtime at agent start: find the kernel (``kernel`` or the newest
     usable ``/boot/vmlinuz-*``), build/reuse the guest initramfs under ``state_dir``, probe the
-    accelerator and machine with real boots. Raises :class:`VMRuntimeError` when QEMU is missing
-    or nothing boots (the message names each attempt)."""
+    accelerator and machine with real boots - once per machine boot and set of binaries: a
+    restarted agent (an upgrade, a crash) reuses the choice, so it is back within seconds,
+    before its Lease expires and its running VMs count as lost. Raises :class:`VMRuntimeError`
+    when QEMU is missing or nothing boots (the message names each attempt)."""
     if shutil.which(qemu) is None:
         raise VMRuntimeError(f"{qemu} not found (Debian package qemu-system-x86)")
     try:
         k = find_kernel(kernel, need_shares=any(p.is_dir() for p in extra_ro_binds))
         initramfs = await build_initramfs(k, state_dir / "guest")
-        choice = await detect_accelerator(qemu, k.path, initramfs, prefer=accelerator)
+        key = _probe_key(qemu, k.path, initramfs, accelerator)
+        cache = state_dir / "accelerator.json"
+        choice = await asyncio.to_thread(_cached_choice, cache, key)
+        if choice is None:
+            choice = await detect_accelerator(qemu, k.path, initramfs, prefer=accelerator)
+            await asyncio.to_thread(_write_choice, cache, key, choice)
     except (GuestAssetError, AcceleratorError) as exc:
         raise VMRuntimeError(str(exc)) from None
     return QemuRuntime(
@@ -449,4 +624,4 @@ async def create_qemu_runtime(
     )
 
 
-__all__ = ["QemuRuntime", "create_qemu_runtime"]
+__all__ = ["QemuRuntime", "create_qemu_runtime", "kill_all_recorded", "kill_recorded"]

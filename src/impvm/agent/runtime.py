@@ -50,6 +50,8 @@ class VMRequest:
     :meth:`Runtime.cleanup`). Sizes: ``memory_mib`` in MiB, ``disk_gib`` in GiB. ``egress``: the
     egress policy layers of its network (:mod:`impvm.agent.network.policy`; empty: the default
     public layer), enforced where the runtime has a node network.
+    ``verify_public_key``: PEM public key whose sigstore signatures the image and runner layer
+    must carry (``ImpVM.spec.verify.publicKey``); None: no signature requirement.
     """
 
     vm_id: str
@@ -63,9 +65,21 @@ class VMRequest:
     disk_gib: int
     workdir: Path
     egress: tuple[EgressLayer, ...] = ()
+    verify_public_key: str | None = None
 
 
 RuntimeStatus = Literal["starting", "running", "exited", "missing"]
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The signature check of a VM's image and runner layer, as its ``ImageVerified`` condition
+    reports it (:mod:`impvm.agent.signing`): ``verified`` (the condition's status), ``reason``
+    (``Verified`` or why it was refused) and ``message`` (naming the image and the key)."""
+
+    verified: bool
+    reason: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -117,4 +131,9 @@ class Runtime(Protocol):
 
     async def cleanup(self, req: VMRequest) -> None:
         """Remove every per-VM file (scratch, logs, the delivered JIT config). Idempotent."""
+        ...
+
+    async def keep_console(self, req: VMRequest, dest: Path) -> bool:
+        """Copy the VM's console (bounded, its JIT config scrubbed) to ``dest``; False when it
+        has none."""
         ...

@@ -10,15 +10,19 @@ the runner has started (:meth:`RuntimeBase._runner_started`), how it is asked to
 (:meth:`RuntimeBase._remove_leftovers`) and which interface its VMs get
 (:attr:`RuntimeBase.network_kind`).
 
-State lives in memory: the agent is each VM's parent (VMs die with it), so after an agent restart
-:meth:`RuntimeBase.inspect` reports ``missing`` and :meth:`RuntimeBase.cleanup` removes what is
-left on disk.
+State lives in memory, and on disk where a runtime's VMs outlive the agent: such a runtime
+records each launched VM in its workdir and supplies :meth:`RuntimeBase._adopt`, which a new
+agent process's :meth:`RuntimeBase.inspect` calls for a VM it does not know; the VM is then
+watched, stopped and cleaned up like one it launched itself (re-attached). A runtime whose VMs
+die with the agent (the default) adopts nothing: after an agent restart ``inspect`` reports
+``missing`` and :meth:`RuntimeBase.cleanup` removes what is left on disk.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -26,17 +30,101 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from impvm.agent.images import ImageStore, PreparedImage, _remove_tree
 from impvm.agent.network.node import GuestNetwork, NodeNetwork
 from impvm.agent.network.ruleset import Kind
 from impvm.agent.runtime import RuntimeState, Secret, VMRequest, VMRuntimeError
+from impvm.agent.survivor import SecretPrint
+
+log = logging.getLogger("impvm.agent.runtime")
 
 #: The VM's console (stdout/stderr or serial port) in its workdir, mode 0600.
 CONSOLE_LOG = "console.log"
 #: How much of the console's end :meth:`RuntimeBase.inspect` reads (bytes).
 TAIL_BYTES = 16384
+
+
+#: A kept console (of a failed VM) holds at most this many bytes: its first
+#: :data:`KEPT_HEAD_BYTES` (the boot) and its end, cut at line boundaries.
+KEPT_BYTES = 1024 * 1024
+KEPT_HEAD_BYTES = 64 * 1024
+#: Kept consoles per node; the oldest go first.
+KEPT_FILES = 100
+
+
+#: A running VM's console is compacted to its first :data:`KEPT_HEAD_BYTES` and last
+#: :data:`LIVE_TAIL_BYTES` once it passes :data:`LIVE_MAX_BYTES` (a chatty job cannot fill the
+#: node's disk). Writers append (``O_APPEND``: bwrap's stdout, QEMU's ``append=on``), so their
+#: next write lands after the compacted text.
+LIVE_MAX_BYTES = 8 * 1024 * 1024
+LIVE_TAIL_BYTES = 2 * 1024 * 1024
+
+
+def compact_console(path: Path, limit: int = LIVE_MAX_BYTES, tail: int = LIVE_TAIL_BYTES) -> bool:
+    """Shrink console ``path`` in place to its head and last ``tail`` bytes (cut at lines, a
+    marker between) when it is over ``limit`` bytes (blocking). Bytes written while it runs may
+    be lost; the marker says how much was cut. True when it compacted."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    with os.fdopen(fd, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size <= limit:
+            return False
+        first = f.read(KEPT_HEAD_BYTES)
+        first = first[: first.rfind(b"\n") + 1] or first
+        f.seek(size - tail)
+        last = f.read()
+        last = last[last.find(b"\n") + 1 :] or last
+        cut = size - len(first) - len(last)
+        f.seek(0)
+        f.truncate(0)
+        f.write(first + f"[... {cut} bytes cut ...]\n".encode() + last)
+    return True
+
+
+def keep_console(
+    source: Path,
+    dest: Path,
+    secret: str | None,
+    limit: int = KEPT_BYTES,
+    head: int = KEPT_HEAD_BYTES,
+    keep_files: int = KEPT_FILES,
+) -> bool:
+    """Copy console ``source`` to ``dest`` (mode 0600; blocking): at most ``limit`` bytes, the
+    middle of a longer one replaced by a line saying how much was cut, every occurrence of
+    ``secret`` (the VM's JIT config) replaced by ``***``. Then remove the oldest ``*.log`` in
+    ``dest``'s directory beyond ``keep_files``. False when ``source`` does not exist."""
+    try:
+        with source.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= limit:
+                data = f.read()
+            else:
+                first = f.read(head)
+                first = first[: first.rfind(b"\n") + 1] or first
+                f.seek(size - (limit - head))
+                last = f.read()
+                last = last[last.find(b"\n") + 1 :] or last
+                cut = size - len(first) - len(last)
+                data = first + f"[... {cut} bytes cut ...]\n".encode() + last
+    except FileNotFoundError:
+        return False
+    if secret:
+        data = data.replace(secret.encode(), b"***")
+    dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = dest.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    os.replace(tmp, dest)
+    kept = sorted(dest.parent.glob("*.log"), key=lambda p: (p.stat().st_mtime, p.name))
+    for old in kept[: max(0, len(kept) - keep_files)]:
+        old.unlink(missing_ok=True)
+    return True
 
 
 def guest_hostname(req: VMRequest) -> str:
@@ -52,15 +140,32 @@ def remove_workdir(workdir: Path) -> None:
         shutil.rmtree(workdir)
 
 
+class VMProcess(Protocol):
+    """What the runtimes use of a VM's process: an :class:`asyncio.subprocess.Process` it
+    launched, or an :class:`~impvm.agent.survivor.AdoptedProcess` an earlier agent launched."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass
 class LaunchedVM:
-    """One VM a runtime launched: its process (bwrap or QEMU), image, JIT config (kept only to
-    scrub it from the console tail), and what is known of its end (``exit_code`` -1: killed)."""
+    """One VM a runtime launched (or re-attached): its process (bwrap or QEMU), image, JIT
+    config (kept only to scrub it from the console tail; empty for a re-attached VM, whose
+    config was consumed at boot, which is scrubbed by ``secret_print`` instead), and what is
+    known of its end (``exit_code`` -1: killed)."""
 
-    proc: asyncio.subprocess.Process
+    proc: VMProcess
     prepared: PreparedImage
     secret: str
     workdir: Path
+    secret_print: SecretPrint | None = None
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     killed: bool = False
     finished_at: datetime | None = None
@@ -127,17 +232,26 @@ class RuntimeBase(Generic[VM]):
         with contextlib.suppress(ProcessLookupError):
             vm.proc.kill()
 
+    async def _adopt(self, req: VMRequest) -> VM | None:
+        """The VM ``req`` an earlier agent process launched and this one does not know, when it
+        outlived that agent (running, or ended leaving its report); None: nothing to re-attach
+        (the default: the runtime's VMs die with the agent)."""
+        return None
+
     def _remove_leftovers(self, workdir: Path) -> None:
         """Remove what an earlier agent run may have left for this VM besides its workdir
         (blocking; run in a thread)."""
 
     async def _prepare(self, req: VMRequest) -> PreparedImage:
-        """Pull/verify/unpack the image and runner layer through the store (cached)."""
+        """Pull/verify/unpack the image and runner layer through the store (cached); with
+        ``req.verify_public_key`` both must be signed by that key (raises
+        :class:`~impvm.agent.signing.SignatureError`)."""
         return await self.store.prepare(
             req.image,
             req.runner_layer,
             allow_unpinned=req.allow_unpinned_images,
             auth_file=self.auth_file,
+            public_key=req.verify_public_key,
         )
 
     # ------------------------------------------------------------------ the Runtime protocol
@@ -178,7 +292,12 @@ class RuntimeBase(Generic[VM]):
 
     def _tail(self, vm: VM) -> str:
         """The last ``tail_lines`` console lines (blocking), the JIT config replaced by ``***``
-        (defence in depth: the wrapper never prints it, but a guest program might)."""
+        (defence in depth: the wrapper never prints it, but a guest program might); the console
+        is first kept within :data:`LIVE_MAX_BYTES` (:func:`compact_console`)."""
+        try:
+            compact_console(vm.workdir / CONSOLE_LOG)
+        except OSError:
+            pass
         try:
             with (vm.workdir / CONSOLE_LOG).open("rb") as f:
                 f.seek(0, os.SEEK_END)
@@ -188,15 +307,26 @@ class RuntimeBase(Generic[VM]):
             return ""
         text = data.decode(errors="replace").replace("\r", "")
         out = "\n".join(text.splitlines()[-self.tail_lines :])
-        return out.replace(vm.secret, "***") if vm.secret else out
+        if vm.secret:
+            return out.replace(vm.secret, "***")
+        return vm.secret_print.scrub(out) if vm.secret_print else out
 
     async def inspect(self, req: VMRequest) -> RuntimeState:
         """``starting`` (launched, the runner has not started), ``running``, ``exited``
         (``exit_code``: the runner's exit status; -1 when killed) or ``missing`` (unknown to this
-        runtime instance). ``log_tail``: the console's last lines, JIT config scrubbed."""
+        runtime instance and not re-attachable, see :meth:`_adopt`). ``log_tail``: the
+        console's last lines, JIT config scrubbed."""
         vm = self._vms.get(req.vm_id)
         if vm is None:
-            return RuntimeState(status="missing")
+            vm = await self._adopt(req)
+            if vm is None:
+                return RuntimeState(status="missing")
+            self._vms[req.vm_id] = vm
+            ended = "ended meanwhile" if vm.exit_code is not None else "running"
+            log.info("re-attached VM %s an earlier agent process launched (%s)", req.vm_id, ended)
+            self.store.retain(vm.prepared.key)
+            if vm.exit_code is None:
+                vm.tasks.append(asyncio.create_task(self._reap(vm)))
         exited = vm.exit_code is not None  # before reading: an exited VM's log is complete
         tail = await asyncio.to_thread(self._tail, vm)
         if exited:
@@ -211,6 +341,13 @@ class RuntimeBase(Generic[VM]):
         return RuntimeState(
             status="running" if started else "starting", started_at=vm.started_at, log_tail=tail
         )
+
+    async def keep_console(self, req: VMRequest, dest: Path) -> bool:
+        """Keep the VM's console at ``dest`` (:func:`keep_console`), before :meth:`cleanup`
+        removes the workdir. False when there is no console."""
+        vm = self._vms.get(req.vm_id)
+        secret = vm.secret if vm is not None else None
+        return await asyncio.to_thread(keep_console, req.workdir / CONSOLE_LOG, dest, secret)
 
     async def stop(self, req: VMRequest, grace_seconds: float = 10.0) -> None:
         """Stop the VM: ask it to end, then kill it once ``grace_seconds`` passed (at once when

@@ -274,6 +274,67 @@ class ImpVMClass(ApiModel):
 
 
 # --------------------------------------------------------------------------------------------
+# Signed images (sigstore signatures, verified by the agent through containers-policy
+# sigstoreSigned in skopeo; see docs/signing.md)
+
+#: Default key of the public key in the Secret named by ``verify.publicKeySecretRef`` (the file
+#: name ``cosign generate-key-pair`` writes the public key to).
+VERIFY_PUBLIC_KEY_DEFAULT_KEY = "cosign.pub"
+#: Longest accepted PEM public key (an RSA 8192 key is about 1.5 KiB).
+VERIFY_PUBLIC_KEY_MAX_LENGTH = 16384
+#: One PEM ``PUBLIC KEY`` block (SubjectPublicKeyInfo: ECDSA, RSA or Ed25519), as cosign writes it.
+PUBLIC_KEY_PEM_PATTERN = (
+    r"^\s*-----BEGIN PUBLIC KEY-----\r?\n[A-Za-z0-9+/=\r\n]+-----END PUBLIC KEY-----\s*$"
+)
+
+
+class PublicKeySecretRef(ApiModel):
+    """A key of a Secret in the template's namespace holding a PEM public key (not secret; the
+    Secret is read by the operator only, never by agents)."""
+
+    name: str = Field(
+        min_length=1, max_length=253, pattern=NAME_PATTERN, description="Secret name."
+    )
+    key: str = Field(
+        default=VERIFY_PUBLIC_KEY_DEFAULT_KEY,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="Key of the PEM public key in the Secret (default cosign.pub).",
+    )
+
+
+class TemplateVerifySpec(ApiModel):
+    """Signatures a template's images must carry: the agent boots a VM only when its image and
+    runner layer each have a sigstore signature by this key for their digest and repository."""
+
+    public_key_secret_ref: PublicKeySecretRef = Field(
+        description="Secret key holding the cosign/sigstore public key (PEM) that must have "
+        "signed the image and the runner layer."
+    )
+
+
+class VMVerifySpec(ApiModel):
+    """The signature requirement of one VM, copied by the operator from its template's
+    verify.publicKeySecretRef when the VM is created (so agents never read that Secret)."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            f"self.publicKey.matches(r'{PUBLIC_KEY_PEM_PATTERN}')",
+            "verify.publicKey must be one PEM public key (-----BEGIN PUBLIC KEY----- ... "
+            "-----END PUBLIC KEY-----)",
+            ".publicKey",
+        ),
+    ]
+
+    public_key: str = Field(
+        min_length=1,
+        max_length=VERIFY_PUBLIC_KEY_MAX_LENGTH,
+        description="PEM public key that must have signed the image and the runner layer.",
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # ImpVMTemplate
 
 
@@ -308,7 +369,12 @@ class ImpVMTemplateSpec(ApiModel):
     allow_unpinned_images: bool | None = Field(
         default=None,
         description="Opt out of digest pinning for image and runnerLayer (not for production: "
-        "images are pulled by digest, never by tag).",
+        "a tag can change under a running pool; a digest cannot).",
+    )
+    verify: TemplateVerifySpec | None = Field(
+        default=None,
+        description="Require sigstore signatures on the image and the runner layer (unset: "
+        "digest pinning only).",
     )
 
 
@@ -752,6 +818,37 @@ class PollStatus(ApiModel):
     error: str | None = Field(default=None, description="Why the poll failed, if it did.")
 
 
+class RateLimitStatus(ApiModel):
+    """The core REST rate limit of the pool's installation as GitHub last reported it
+    (``x-ratelimit-*`` headers; GitHub docs, "Rate limits for the REST API")."""
+
+    limit: int | None = Field(default=None, ge=0, description="Requests per hour.")
+    remaining: int | None = Field(default=None, ge=0, description="Requests left.")
+    reset_at: datetime | None = Field(default=None, description="When the window resets.")
+
+
+class TimingSummary(ApiModel):
+    """p50/p95 of one duration over the pool's VMs of the last hour."""
+
+    count: int | None = Field(default=None, ge=0, description="Samples in the window.")
+    p50_seconds: float | None = Field(default=None, ge=0)
+    p95_seconds: float | None = Field(default=None, ge=0)
+
+
+class PoolTimings(ApiModel):
+    """Durations over the last hour (see docs/architecture.md, per-job timings)."""
+
+    job_pickup: TimingSummary | None = Field(
+        default=None, description="A job's wait from queued to in progress."
+    )
+    vm_boot: TimingSummary | None = Field(
+        default=None, description="From the agent starting the VM to its runner running."
+    )
+    runner_registration: TimingSummary | None = Field(
+        default=None, description="From the ImpVM's creation to its runner online on GitHub."
+    )
+
+
 class WarmPoolStatus(ApiModel):
     """The warm pool's estimates, carried from pass to pass (Kubernetes is the database: a
     restarted operator resumes from here). Changed only by observed events."""
@@ -799,6 +896,10 @@ class ImpVMRunnerPoolStatus(ApiModel):
     )
     last_scale_up_time: datetime | None = Field(default=None)
     last_poll: PollStatus | None = Field(default=None)
+    timings: PoolTimings | None = Field(default=None, description="p50/p95 over the last hour.")
+    rate_limit: RateLimitStatus | None = Field(
+        default=None, description="The installation's rate limit, as of the last status write."
+    )
     warm_pool: WarmPoolStatus | None = Field(default=None, description="Warm pool estimates.")
     conditions: list[Condition] | None = Field(
         default=None,
@@ -875,6 +976,12 @@ class ImpVMSpec(ApiModel):
             ".nodeName",
         ),
         cel(
+            "has(self.verify) == has(oldSelf.verify) && "
+            "(!has(self.verify) || self.verify == oldSelf.verify)",
+            "verify cannot be added, changed or removed after the VM is created",
+            ".verify",
+        ),
+        cel(
             "has(self.network) == has(oldSelf.network) && "
             "(!has(self.network) || self.network == oldSelf.network)",
             "network cannot be changed once the VM exists",
@@ -906,11 +1013,35 @@ class ImpVMSpec(ApiModel):
     node_name: str | None = Field(
         default=None, max_length=253, description="Node (agent) the VM is bound to."
     )
+    verify: VMVerifySpec | None = Field(
+        default=None,
+        description="Signature requirement copied from the template (immutable); unset: none.",
+    )
     network: NetworkSpec | None = Field(
         default=None,
         description="Network of this VM (from its pool); its egress policy applies on top of "
         "the class's. Fixed once the VM exists.",
     )
+
+
+class VMTimings(ApiModel):
+    """When each step of a VM's one job happened (the agent writes scheduledAt, bootedAt and
+    finishedAt; the operator createdAt, runnerOnlineAt, jobQueuedAt and jobStartedAt). Its
+    deletion is the histogram ``impvm_vm_lifetime_seconds`` (the object is gone)."""
+
+    created_at: datetime | None = Field(default=None, description="The ImpVM was created.")
+    scheduled_at: datetime | None = Field(default=None, description="An agent claimed it.")
+    booted_at: datetime | None = Field(default=None, description="Its runner process runs.")
+    runner_online_at: datetime | None = Field(
+        default=None, description="GitHub first listed its runner online."
+    )
+    job_queued_at: datetime | None = Field(
+        default=None, description="impvm first saw its job queued."
+    )
+    job_started_at: datetime | None = Field(
+        default=None, description="Its job went in progress (GitHub's started_at)."
+    )
+    finished_at: datetime | None = Field(default=None, description="Its runner exited.")
 
 
 class ImpVMStatus(ApiModel):
@@ -927,6 +1058,17 @@ class ImpVMStatus(ApiModel):
         default=None, description="Why the VM ended (Completed, Error, DeadlineExceeded, ...)."
     )
     message: str | None = Field(default=None, description="Detail (console tail on failure).")
+    timings: VMTimings | None = Field(default=None, description="Per-job timings.")
+    console_tail: str | None = Field(
+        default=None,
+        max_length=4000,
+        description="A failed VM's last console lines (JIT config scrubbed).",
+    )
+    console_log: str | None = Field(
+        default=None,
+        max_length=1000,
+        description="<node>:<path> of a failed VM's kept console (impvm logs prints it).",
+    )
     conditions: list[Condition] | None = Field(
         default=None,
         description=_CONDITIONS_DESC,

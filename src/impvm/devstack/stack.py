@@ -228,6 +228,7 @@ def dev_config(
     registry: str,
     images: TestImages | None,
     operator_port: int,
+    agent_metrics_port: int = 0,
     runtime: str = "process",
     agent_vcpu: int = 16,
     agent_memory_mib: int = 32768,
@@ -235,12 +236,14 @@ def dev_config(
     polling_interval_seconds: int | None = None,
     webhook_secret_file: Path | None = None,
     devnet: DevNetwork | None = None,
+    cosign: Path | None = None,
 ) -> dict[str, Any]:
     """The ``impvm.yaml`` of the development stack (see :mod:`impvm.up.config`): the stand-in
     as GitHub, the loopback registry, the process runtime's host binds, throwaway etcd data, and
-    (``images`` given) the minimal example as its class, template and pool, the pool
-    using ``scaling_mode`` (the example's polling by default). ``devnet``: VMs on isolated networks
-    that reach the stand-in there; without it VMs share the host's network."""
+    (``images`` given) the minimal example as its class, template and pool, the pool using
+    ``scaling_mode`` (the example's polling by default). ``devnet``: VMs on isolated networks
+    that reach the stand-in there; without it VMs share the host's network. ``cosign``: the
+    agent's cosign binary (None: on PATH)."""
     cfg: dict[str, Any] = {
         "dataDir": str(workdir),
         "github": {
@@ -259,6 +262,8 @@ def dev_config(
             "memoryMiB": agent_memory_mib,
             "insecureRegistries": [registry],
             "readOnlyBinds": [str(p) for p in host_python_binds()],
+            "metricsListen": f"127.0.0.1:{agent_metrics_port or free_port()}",
+            **({"cosign": str(cosign)} if cosign is not None else {}),
         },
         "kubernetes": {"apiPort": 0, "namespace": NAMESPACE, "etcdFsync": False},
     }
@@ -315,6 +320,9 @@ class StackConfig:
     webhook_drop_rate: float = 0.0
     #: start one agent (node-1); without it VMs are created but never run (benchmarks)
     start_agent: bool = True
+    #: cosign binary the agent verifies signed images with (None: ``cosign`` on PATH), e.g.
+    #: :func:`impvm.devstack.signing.cosign_binary`
+    cosign: Path | None = None
     #: guests on isolated networks, the stand-in in its own "internet" namespace
     #: (:class:`impvm.devstack.netns.DevNetwork`; needs root); None: when running as root
     isolated_network: bool | None = None
@@ -334,6 +342,7 @@ class Stack:
     private_key_pem: str = field(default="", repr=False)
     webhook_secret: str = field(default="", repr=False)
     operator_http_port: int = 0
+    agent_metrics_port: int = 0
     devnet: DevNetwork | None = None
     _kube: AsyncClient | None = None
 
@@ -413,6 +422,7 @@ class Stack:
             hook_file = secrets_dir / "webhook-secret"
             write_private(hook_file, self.webhook_secret.encode())
         self.operator_http_port = free_port()
+        self.agent_metrics_port = free_port()
         cfg = dev_config(
             workdir=wd,
             standin_url=self.standin.url,
@@ -420,6 +430,7 @@ class Stack:
             registry=self.registry.address,
             images=self.images if self.config.apply_example else None,
             operator_port=self.operator_http_port,
+            agent_metrics_port=self.agent_metrics_port,
             runtime=self.config.runtime,
             agent_vcpu=self.config.agent_vcpu,
             agent_memory_mib=self.config.agent_memory_mib,
@@ -427,6 +438,7 @@ class Stack:
             polling_interval_seconds=self.config.polling_interval_seconds,
             webhook_secret_file=hook_file,
             devnet=self.devnet,
+            cosign=self.config.cosign,
         )
         self.config_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.service = Service(load_config(self.config_file), source=str(self.config_file))

@@ -25,7 +25,9 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from impvm.devstack.stack import POOL, Stack, StackConfig
+from impvm.devstack.stack import NAMESPACE, POOL, Stack, StackConfig
+from impvm.statuscmd import read_snapshot
+from impvm.statusview import cell, render, summarize
 from impvm.up.main import serve
 from impvm.up.service import Service
 
@@ -45,12 +47,12 @@ def _vm_table(vms: list[dict[str, Any]]) -> Table:
         )
         t.add_row(
             name,
-            str(st.get("phase", "")),
-            str(v["spec"].get("nodeName", "")),
-            str(r.get("id", "")),
-            str(r.get("online", "")),
-            str(r.get("busy", "")),
-            str(job.get("id", "")),
+            cell(st.get("phase")),
+            cell(v["spec"].get("nodeName")),
+            cell(r.get("id")),
+            cell(r.get("online")),
+            cell(r.get("busy")),
+            cell(job.get("id")),
         )
     return t
 
@@ -69,12 +71,15 @@ def _github_table(stack: Stack) -> Table:
 
 
 def _pool_line(status: dict[str, Any]) -> str:
+    """One line of the pool's status; ``waiting`` until the operator has written it."""
+    if not status:
+        return f"pool {POOL}: waiting for the operator's first status"
     conds = {c["type"]: c["status"] for c in status.get("conditions") or []}
     return (
-        f"pool {POOL}: idle {status.get('idle')} busy {status.get('busy')} "
-        f"starting {status.get('starting')} total {status.get('total')} "
-        f"desired {status.get('desired')} pendingJobs {status.get('pendingJobs')} "
-        f"Ready={conds.get('Ready', '?')}"
+        f"pool {POOL}: idle {cell(status.get('idle'))} busy {cell(status.get('busy'))} "
+        f"starting {cell(status.get('starting'))} total {cell(status.get('total'))} "
+        f"desired {cell(status.get('desired'))} pendingJobs {cell(status.get('pendingJobs'))} "
+        f"Ready={conds.get('Ready', 'waiting')}"
     )
 
 
@@ -123,7 +128,9 @@ class _Show:
         line = _pool_line(status)
         vms = await stack.vms()
         if self.live is not None:
-            self.live.update(Group(line, _vm_table(vms), _github_table(stack)))
+            assert stack.kube is not None
+            view = render(summarize(await read_snapshot(stack.kube, NAMESPACE)))
+            self.live.update(Group(view, _vm_table(vms), _github_table(stack)))
         elif line != self.last_line:
             self.console.print(f"[{time.monotonic() - self.started:5.0f}s] {line}")
             self.last_line = line

@@ -17,7 +17,8 @@ from impvm.github import RetryPolicy
 from impvm.operator.credentials import GitHubProvider
 from impvm.operator.sources import KubeSource
 from impvm.scaling.jobtable import JobTable, PoolScope
-from impvm.scaling.world import BackoffState, PassSettings, PollState
+from impvm.scaling.timings import TimingWindow
+from impvm.scaling.world import BackoffState, PassSettings, PollState, WarmPoolMemory
 
 
 @dataclass
@@ -37,6 +38,10 @@ class PoolMemory:
     #: template and class names of the last pass (an edit of either wakes the pool)
     template: str | None = None
     vm_class: str | None = None
+    #: the pool's job timings of the last hour (:mod:`impvm.scaling.timings`)
+    timings: TimingWindow = field(default_factory=TimingWindow)
+    #: the warm pool's arrivals read, last state written and runners counted ready
+    warm: WarmPoolMemory = field(default_factory=WarmPoolMemory)
 
 
 @dataclass

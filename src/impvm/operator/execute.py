@@ -24,6 +24,7 @@ from impvm.api.models import API_VERSION, PoolKey
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
 from impvm.github import REPO_RUNNER_GROUP_ID, DeleteOutcome, GitHubClient
 from impvm.github.errors import GitHubError, InstallationUnavailable, RateLimited
+from impvm.operator import metrics
 from impvm.operator.context import OperatorContext
 from impvm.operator.credentials import scope_of
 from impvm.scaling.names import secret_name, vm_name
@@ -37,6 +38,7 @@ from impvm.scaling.poolpass import (
     vm_manifest,
 )
 from impvm.scaling.world import GitHubFailure, PoolWorld
+from impvm.vm_metrics import record_phase
 
 log = logging.getLogger("impvm.operator.pool")
 
@@ -77,8 +79,11 @@ class PlanExecutor:
                 ImpVMResource, r.name, {"metadata": meta}, namespace=self.ns, patch_type=MERGE
             )
             await self._tolerate(patch, r.event)
+        nodes = {v.name: v.spec.node_name or "" for v in self.world.vms}
         for p in plan.lost:
             await self._tolerate(self._patch_status(p.name, p.status), p.event)
+            if phase := p.status.get("phase"):
+                record_phase(nodes.get(p.name, ""), None, str(phase))
         for d in plan.deletions:
             await self._delete(d)
         for reg in plan.registrations if self.gh else ():
@@ -90,24 +95,27 @@ class PlanExecutor:
             await self.event(reg.done)
         outcome = await self._provision(plan)
         for s in plan.sync:
-            await self._tolerate(self._patch_status(s.name, s.status), None)
+            if await self._tolerate(self._patch_status(s.name, s.status), None):
+                for kind, seconds in s.observe:
+                    metrics.OBSERVED[kind].labels(*self.key).observe(seconds)
         return outcome
 
     @property
     def key(self) -> PoolKey:
         return self.world.pool.key
 
-    async def _tolerate(self, write: Awaitable[Any], event: EventSpec | None) -> None:
+    async def _tolerate(self, write: Awaitable[Any], event: EventSpec | None) -> bool:
         """Await a VM write; a VM gone (404) or changed meanwhile (409) is left to the next
-        pass. ``event`` is recorded once the write succeeded."""
+        pass (False). ``event`` is recorded once the write succeeded."""
         try:
             await write
         except ApiError as e:
             if e.status.code not in (404, 409):
                 raise
-            return
+            return False
         if event is not None:
             await self.event(event)
+        return True
 
     async def _delete(self, d: DeleteVM) -> None:
         """Delete a VM; deregister its runner first when asked (a busy runner keeps its VM).
@@ -126,7 +134,12 @@ class PlanExecutor:
                 return
         elif d.deregister_first and d.runner_id is not None:
             return
-        await self._tolerate(self.ctx.kube.delete(ImpVMResource, d.name, namespace=self.ns), d.done)
+        deleted = self.ctx.kube.delete(ImpVMResource, d.name, namespace=self.ns)
+        if await self._tolerate(deleted, d.done):
+            created = {v.name: v.created_at for v in self.world.vms}.get(d.name)
+            if created is not None:
+                lived = max(0.0, (self.world.now - created).total_seconds())
+                metrics.VM_LIFETIME.labels(*self.key).observe(lived)
 
     async def _provision(self, plan: PoolPlan) -> Outcome:
         """Mint the missing JIT configs, then create VMs, each minted at once; the first
@@ -177,14 +190,18 @@ class PlanExecutor:
                 group = await self._runner_group(self.scope.org, spec.platform.runner_group)
             jit = await self.gh.generate_jitconfig(self.scope, m.vm, group, spec.labels)
         except GitHubError as e:
-            return Outcome(failure=failure_of(e, vm=m.vm))
+            failure = failure_of(e, vm=m.vm)
+            metrics.JIT_MINTS.labels(*self.key, failure.kind).inc()
+            return Outcome(failure=failure)
         body = jit_secret_manifest(self.world.pool, m, jit.encoded_jit_config.get_secret_value())
         try:
             await self.ctx.kube.create(cast(Secret, Secret.from_dict(body)))
         except ApiError as e:
             if e.status.code != 409:
+                metrics.JIT_MINTS.labels(*self.key, "SecretWriteFailed").inc()
                 text = f"JIT Secret {m.secret} could not be written (HTTP {e.status.code})"
                 return Outcome(secret_write_failed=text)
+        metrics.JIT_MINTS.labels(*self.key, "ok").inc()
         await self._record(m.vm, m.secret)
         await self._patch_status(m.vm, {"runner": {"id": jit.runner_id, "name": jit.runner_name}})
         return None

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from impvm import metrics_http
 
 WebhookHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Handler = WebhookHandler
@@ -19,11 +20,6 @@ def _healthz(leading: Callable[[], bool]) -> Handler:
         return web.Response(text="ok leader\n" if leading() else "ok standby\n")
 
     return healthz
-
-
-async def _metrics(_: web.Request) -> web.Response:
-    body = generate_latest(REGISTRY)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def _no_webhooks(_: web.Request) -> web.Response:
@@ -42,10 +38,10 @@ def make_app(
     ``GET /healthz`` is 200 on every replica that runs, leader or standby (``leading``; the
     body says which): a standby is healthy and ready, because it forwards deliveries to the
     leader and serves the hand-out, and a rolling update needs the new replica Ready while the
-    old one still leads."""
-    app = web.Application(client_max_size=25 * 1024 * 1024)  # GitHub caps payloads at 25 MB
-    app.router.add_get("/healthz", _healthz(leading or (lambda: True)))
-    app.router.add_get("/metrics", _metrics)
+    old one still leads. ``GET /metrics``: :mod:`impvm.metrics_http`."""
+    app = metrics_http.make_app(  # GitHub caps payloads at 25 MB
+        client_max_size=25 * 1024**2, health=_healthz(leading or (lambda: True))
+    )
     app.router.add_post("/webhooks/github", webhook or _no_webhooks)
     if jitconfig is not None:
         from impvm.operator.jithandout import PATH
@@ -54,9 +50,4 @@ def make_app(
     return app
 
 
-async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
-    """Serve ``app`` on ``host:port``; return the runner (``await runner.cleanup()`` to stop)."""
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner
+start = metrics_http.start

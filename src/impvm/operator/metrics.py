@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from impvm.api.models import PoolKey
 from impvm.scaling.pool import Counts
@@ -14,6 +14,38 @@ POOL_PENDING = Gauge(
     "impvm_pool_pending_jobs", "Queued jobs routed to a pool, no runner yet.", ["namespace", "pool"]
 )
 VMS_CREATED = Counter("impvm_vms_created_total", "ImpVMs created.", ["namespace", "pool"])
+JIT_MINTS = Counter(
+    "impvm_jit_mints_total",
+    "JIT runner registrations minted, by result (ok, or the GitHub failure reason such as "
+    "RateLimited; SecretWriteFailed when the Secret could not be written).",
+    ["namespace", "pool", "result"],
+)
+#: seconds: from a second to half an hour (a job waiting for a slow boot, a full pool)
+WAIT_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+JOB_PICKUP = Histogram(
+    "impvm_job_pickup_seconds",
+    "A job's wait from queued (first seen by impvm) to in progress on one of the pool's runners.",
+    ["namespace", "pool"],
+    buckets=WAIT_BUCKETS,
+)
+RUNNER_REGISTRATION = Histogram(
+    "impvm_runner_registration_seconds",
+    "From an ImpVM's creation to its runner listed online by GitHub.",
+    ["namespace", "pool"],
+    buckets=WAIT_BUCKETS,
+)
+VM_LIFETIME = Histogram(
+    "impvm_vm_lifetime_seconds",
+    "From an ImpVM's creation to the operator deleting it (its one job done, or scaled down).",
+    ["namespace", "pool"],
+    buckets=(10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400),
+)
+OBSERVED = {"jobPickup": JOB_PICKUP, "runnerRegistration": RUNNER_REGISTRATION}
+REAPER_DECISIONS = Counter(
+    "impvm_reaper_decisions_total",
+    "Reaper verdicts by action (delete, keep, not_judged) and the table rule that decided.",
+    ["namespace", "pool", "action", "reason"],
+)
 
 
 def record_pool(key: PoolKey, counts: Counts, created: int) -> None:

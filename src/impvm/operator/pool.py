@@ -24,11 +24,13 @@ from impvm.operator.credentials import scope_of
 from impvm.operator.demand import poll_jobs
 from impvm.operator.execute import PlanExecutor, failure_of
 from impvm.operator.metrics import POLL_CALLS, record_pool
+from impvm.operator.verify import VerifyKeyError, secret_of, verify_key
+from impvm.scaling import timings
 from impvm.scaling.jobtable import Job, PoolScope
 from impvm.scaling.labels import PoolLabels
 from impvm.scaling.names import runner_prefix, secret_name
 from impvm.scaling.pool import RunnerView
-from impvm.scaling.poolpass import decide, settle
+from impvm.scaling.poolpass import decide, settle, waiting_for_a_node
 from impvm.scaling.world import (
     ClassObj,
     GitHubView,
@@ -58,9 +60,10 @@ class PoolReconciler:
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None
         world, github = await self._observe(PoolObj.from_body(body))
+        world = self._arrivals(world)
         plan = decide(world)
         if plan.poll is not None and github is not None:
-            world = await self._poll(world, github)
+            world = self._arrivals(await self._poll(world, github))
             plan = decide(world)
         log.debug(
             "pool %s/%s: %d acts: %s", *key, plan.acts, plan.sizing and plan.sizing.create_reason
@@ -76,15 +79,18 @@ class PoolReconciler:
             await act.event(event)
         if done.write:
             await act.write_status(done.status, done.conditions)
+        if done.warm is not None:  # only once written: else the next pass folds them again
+            mem.warm = done.warm
         if done.counts is not None:
             record_pool(key, done.counts, outcome.created)
         return done.requeue
 
     async def _observe(self, pool: PoolObj) -> tuple[PoolWorld, GitHubClient | None]:
-        """Read what the pass decides from: template and class first (without them nothing
-        else is read), then GitHub's registrations before the VMs (see
-        :mod:`impvm.scaling.pool`: no registration is then taken for an orphan), the pool's
-        Secrets, the agents' Leases (only when a VM is bound to a node) and the job table."""
+        """Read what the pass decides from: template and class first, and the signing key the
+        template requires (without them nothing else is read), then GitHub's registrations
+        before the VMs (see :mod:`impvm.scaling.pool`: no registration is then taken for an
+        orphan), the pool's Secrets, the agents' Leases (only when a VM is bound to a node) and
+        the job table."""
         ctx, mem, src = self.ctx, self.ctx.pool(pool.key), self.ctx.sources
         mem.template = pool.spec.template_name
         world = PoolWorld(
@@ -95,6 +101,7 @@ class PoolReconciler:
             settings=ctx.settings.for_pass(),
             backoff=mem.backoff,
             poll=mem.poll,
+            warm=mem.warm,
         )
         t = await src.get(ImpVMTemplateResource, pool.spec.template_name, pool.namespace)
         template = TemplateObj.from_body(t) if t else None
@@ -104,18 +111,30 @@ class PoolReconciler:
         c = await src.get(ImpVMClassResource, mem.vm_class, None)
         if c is None:
             return replace(world, template=template), None
+        try:
+            key_secret = secret_of(template.spec)
+            body = await src.get(Secret, key_secret, pool.namespace) if key_secret else None
+            verify = verify_key(pool.namespace, template.spec, body)
+        except VerifyKeyError as e:
+            problem = replace(world, template=template, vm_class=ClassObj.from_body(c))
+            return replace(problem, verify_key_problem=str(e)), None
         missing = await self._register(pool)
         github, view = await self._github(pool, world)
         vms = await src.vms(pool)
-        leases = await src.leases() if any(v.spec.node_name for v in vms) else ()
+        # Leases matter for VMs on nodes (lost nodes) and VMs no node took (Unschedulable)
+        needs = any(v.spec.node_name for v in vms) or waiting_for_a_node(replace(world, vms=vms))
+        leases = await src.leases() if needs else ()
+        mem.timings = timings.observe(mem.timings, vms, world.now)
         pending, running = self._jobs(pool, vms)
         return replace(
             world,
             template=template,
             vm_class=ClassObj.from_body(c),
+            verify_key=verify,
             vms=vms,
             secrets=await src.secret_names(pool),
             leases=leases,
+            timings=timings.summary(mem.timings),
             github=view,
             pending_jobs=pending,
             running_jobs=running,
@@ -168,6 +187,16 @@ class PoolReconciler:
         assert scope is not None
         pending = self.ctx.jobs.pending(scope.key, self.ctx.scopes())
         return pending, self.ctx.jobs.running_on(v.name for v in vms)
+
+    def _arrivals(self, world: PoolWorld) -> PoolWorld:
+        """``world`` with the job table's arrivals for the pool since the warm pool's cursor."""
+        scope = self.ctx.pool(world.pool.key).scope
+        if scope is None:  # not registered yet: the template or class is missing
+            return world
+        jobs, cursor = self.ctx.jobs, world.warm.cursor
+        read = jobs.last_arrival
+        found = tuple(jobs.arrivals(scope.key, self.ctx.scopes(), cursor))
+        return replace(world, arrivals=found, arrivals_read=read)
 
     async def _poll(self, world: PoolWorld, github: GitHubClient) -> PoolWorld:
         """Poll GitHub for the scope's jobs into the job table (stale jobs swept); returns the

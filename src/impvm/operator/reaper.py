@@ -75,6 +75,7 @@ from impvm.github.errors import (
     PermissionNotGranted,
 )
 from impvm.operator.context import OperatorContext
+from impvm.operator.metrics import REAPER_DECISIONS
 from impvm.reaper import (
     Action,
     JobInfo,
@@ -257,6 +258,9 @@ async def reap_pool(
     async with lock:
         report = await _pass(kube, github, raw, spec, now, deregister)
         await record_report(kube, raw, report, now)
+    for group in (report.deleted, report.would_delete, report.kept, report.unjudged, report.failed):
+        for o in group:
+            REAPER_DECISIONS.labels(ns, name, o.verdict.action, o.verdict.rule).inc()
     return report
 
 

@@ -64,10 +64,11 @@ class KubeSource:
                 continue
             spec = lease.spec
             out.append(
-                NodeLease(
-                    node=(spec.holderIdentity if spec else None) or "",
-                    renewed_at=spec.renewTime if spec else None,
-                    duration_seconds=(spec.leaseDurationSeconds if spec else None) or 40,
+                NodeLease.parse(
+                    (spec.holderIdentity if spec else None) or "",
+                    spec.renewTime if spec else None,
+                    (spec.leaseDurationSeconds if spec else None) or 40,
+                    (lease.metadata.annotations if lease.metadata else None) or {},
                 )
             )
         return tuple(out)

@@ -13,12 +13,17 @@ Rules:
 - pending demand of a pool = its queued jobs not yet assigned a runner;
 - completed jobs are dropped (a tombstone remembers them so a late delivery cannot resurrect
   them); a queued or in-progress job that a complete poll shows completed or gone is dropped
-  (stale-job sweep: its ``completed`` delivery was lost, so it would stay forever).
+  (stale-job sweep: its ``completed`` delivery was lost, so it would stay forever);
+- every job first recorded queued is an arrival (:class:`Arrival`, numbered in the order
+  recorded), what the warm pool's arrival rate counts (:mod:`impvm.scaling.warmpool`); a job
+  first seen already in progress (taken before we saw it, or open across an operator restart)
+  is none, so a restart does not count the running jobs again (the ones still queued it does:
+  the table is rebuilt from a poll).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -67,6 +72,25 @@ class Job:
     def queued(self) -> bool:
         return _RANK.get(self.status, 0) == 0
 
+    @property
+    def wait_seconds(self) -> float | None:
+        """Seconds from queued (when impvm first saw it) to in progress (GitHub's
+        ``started_at``); None until it started. Never negative: a job first seen already in
+        progress waited 0 as far as impvm knows."""
+        if self.started_at is None:
+            return None
+        return max(0.0, (self.started_at - self.seen_at).total_seconds())
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A job first recorded queued: its number in the table's arrival log (``seq``, from 1, in
+    the order recorded) and when it was observed (``at``: the job's ``seen_at``; a poll stamps
+    the time it started, so ``at`` is not ordered like ``seq``)."""
+
+    seq: int
+    at: datetime
+
 
 def route(job: Job, pools: Sequence[PoolScope]) -> PoolLabels | None:
     """The pool ``job`` belongs to (None: no pool matches; counted as unmatched)."""
@@ -87,6 +111,8 @@ class JobTable:
     jobs: dict[int, Job] = field(default_factory=dict)
     _deliveries: OrderedDict[str, None] = field(default_factory=OrderedDict)
     _completed: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    _arrivals: deque[tuple[Arrival, Job]] = field(default_factory=deque)
+    _arrived: int = 0
 
     def seen_delivery(self, delivery_id: str | None) -> bool:
         """Record a delivery id; True when it was seen before (a redelivery: ignore it)."""
@@ -133,8 +159,30 @@ class JobTable:
             self.jobs.pop(job.id, None)
             self._remember(self._completed, job.id)
             return job
+        if old is None and rank == 0:
+            self._arrived += 1
+            self._arrivals.append((Arrival(self._arrived, job.seen_at), job))
+            while len(self._arrivals) > self.max_remembered:
+                self._arrivals.popleft()
         self.jobs[job.id] = job
         return job
+
+    def arrivals(self, pool: PoolLabels, pools: Sequence[PoolScope], after: int) -> list[Arrival]:
+        """The arrivals numbered above ``after`` that are routed to ``pool`` (in ``seq``
+        order; the log keeps the last ``max_remembered``)."""
+        out: list[Arrival] = []
+        for a, job in reversed(self._arrivals):  # newest first: stop at the first one read
+            if a.seq <= after:
+                break
+            if route(self.jobs.get(job.id, job), pools) == pool:
+                out.append(a)
+        out.reverse()
+        return out
+
+    @property
+    def last_arrival(self) -> int:
+        """``seq`` of the latest arrival (0: none yet)."""
+        return self._arrived
 
     def pending(self, pool: PoolLabels, pools: Sequence[PoolScope]) -> int:
         """Queued jobs routed to ``pool`` and not yet assigned a runner."""

@@ -74,9 +74,12 @@ def template_hash(
     expire_after: str | None,
     allow_unpinned: bool,
     network: dict[str, Any] | None = None,
+    verify_key: str | None = None,
 ) -> str:
     """16 hex digits naming what a VM is made from. Two VMs with equal hashes are
-    interchangeable; a VM whose hash differs from what the pool makes now is outdated."""
+    interchangeable; a VM whose hash differs from what the pool makes now is outdated.
+    ``verify_key``: the fingerprint of the key the images must be signed by (a rotated key
+    recycles idle VMs too; None leaves the hash of unsigned templates as it was)."""
     doc: dict[str, Any] = {
         "image": image,
         "runnerLayer": runner_layer,
@@ -86,4 +89,6 @@ def template_hash(
     }
     if network is not None:  # the pool's egress policy: a change recycles idle VMs too
         doc["network"] = network
+    if verify_key is not None:
+        doc["verifyKey"] = verify_key
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]

@@ -5,16 +5,95 @@ renewed for ``lease duration + grace``, its node is lost and its VMs can never p
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+#: Lease annotations the agent writes (docs/architecture.md, agent Leases)
+VCPU, MEMORY_MIB = "imp.dev/vcpu", "imp.dev/memory-mib"
+VCPU_USED, MEMORY_MIB_USED = "imp.dev/vcpu-used", "imp.dev/memory-mib-used"
+
+
+def _int(annotations: Mapping[str, str], key: str) -> int | None:
+    try:
+        return int(annotations[key])
+    except (KeyError, ValueError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)
 class NodeLease:
-    """An agent's Lease: holder (node name), last renewal and duration (seconds)."""
+    """An agent's Lease: holder (node name), last renewal and duration (seconds), and the
+    capacity it advertises: offered and used vCPU and MiB (None: not advertised)."""
 
     node: str
     renewed_at: dt.datetime | None
     duration_seconds: int
+    vcpu: int | None = None
+    memory_mib: int | None = None
+    vcpu_used: int | None = None
+    memory_mib_used: int | None = None
+
+    @classmethod
+    def parse(
+        cls,
+        node: str,
+        renewed_at: dt.datetime | None,
+        duration_seconds: int,
+        annotations: Mapping[str, str],
+    ) -> NodeLease:
+        """A Lease with the capacity its annotations advertise (malformed values: unknown)."""
+        return cls(
+            node,
+            renewed_at,
+            duration_seconds,
+            _int(annotations, VCPU),
+            _int(annotations, MEMORY_MIB),
+            _int(annotations, VCPU_USED),
+            _int(annotations, MEMORY_MIB_USED),
+        )
+
+    def live(self, now: dt.datetime) -> bool:
+        """Renewed within its duration."""
+        return self.renewed_at is not None and (
+            (now - self.renewed_at).total_seconds() <= self.duration_seconds
+        )
+
+    def free(self) -> tuple[int, int] | None:
+        """Free (vCPU, MiB), or None when the Lease does not say."""
+        if self.vcpu is None or self.memory_mib is None:
+            return None
+        return self.vcpu - (self.vcpu_used or 0), self.memory_mib - (self.memory_mib_used or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Unschedulable:
+    """VMs that fit on no node: how many wait, what each needs, and the message saying so."""
+
+    reason: str  # NoAgents or InsufficientCapacity
+    waiting: int
+    message: str
+
+
+def unschedulable(
+    leases: list[NodeLease], now: dt.datetime, waiting: int, vcpu: int, memory_mib: int
+) -> Unschedulable | None:
+    """Whether ``waiting`` unbound VMs, each needing ``vcpu`` vCPU and ``memory_mib`` MiB, can
+    be placed on no live agent (like the scheduler's ``FailedScheduling`` for pods, which names
+    the free and requested resources). None when nothing waits or some live node has room (or
+    does not advertise its capacity). Pure."""
+    if waiting <= 0:
+        return None
+    need = f"{waiting} VM(s) wait for a node: each needs {vcpu} vCPU, {memory_mib} MiB"
+    live = sorted((le for le in leases if le.live(now)), key=lambda le: le.node)
+    if not live:
+        return Unschedulable("NoAgents", waiting, f"{need}; no agent is running")
+    frees: list[str] = []
+    for le in live:
+        free = le.free()
+        if free is None or (free[0] >= vcpu and free[1] >= memory_mib):
+            return None
+        frees.append(f"{le.node} {free[0]}/{le.vcpu} vCPU, {free[1]}/{le.memory_mib} MiB free")
+    return Unschedulable("InsufficientCapacity", waiting, f"{need}; " + "; ".join(frees)[:800])
 
 
 def lost_nodes(leases: list[NodeLease], now: dt.datetime, grace_seconds: float = 60.0) -> set[str]:

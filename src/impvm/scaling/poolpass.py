@@ -13,13 +13,17 @@ Pure and deterministic: everything comes from the :class:`~impvm.scaling.world.P
   delete (deregistering first where the sizing says so), the JIT configs to mint and the
   registrations to remove, and whether GitHub may be called at all (backoff);
 * the VM status records (runner and job, as GitHub and the job table say);
+* the warm pool (:func:`warm_pool`): the events it folds into ``status.warmPool`` and the
+  target that is the sizing's ``minIdle``;
 * the whole pool status and its conditions, the GitHub-error -> condition mapping
   (:func:`github_condition`), the Events, the backoff and when to pass again.
 
 Failure boundaries (Kubernetes API conventions: conditions say what is wrong; GitHub REST docs,
 "Troubleshooting the REST API" and "Rate limits for the REST API" for the error classes):
 
-- template or class missing -> ``TemplateMissing`` True, ``Ready`` False, pass again in 30 s;
+- template or class missing, or the signing key a template requires unusable (``VerifyKeyMissing``:
+  no VM is made, it would boot unverified images) -> ``TemplateMissing`` True, ``Ready`` False,
+  pass again in 30 s;
 - credentials Secret missing or incomplete -> ``CredentialsInvalid`` (``CredentialsError``);
 - 401 -> ``CredentialsInvalid`` (``BadCredentials``); a permission not granted ->
   ``CredentialsInvalid`` (``PermissionNotGranted``);
@@ -48,11 +52,13 @@ from impvm.api.models import (
     POOL_LABEL,
     TEMPLATE_HASH_ANNOTATION,
     TERMINAL_PHASES,
+    ScalingSpec,
     VMPhase,
+    WarmPoolStatus,
 )
 from impvm.api.times import k8s_time
 from impvm.scaling.names import owns_runner_name, secret_name, template_hash
-from impvm.scaling.nodes import lost_nodes, node_lost
+from impvm.scaling.nodes import lost_nodes, node_lost, unschedulable
 from impvm.scaling.pool import (
     Counts,
     PoolLimits,
@@ -62,7 +68,24 @@ from impvm.scaling.pool import (
     parse_demand,
 )
 from impvm.scaling.pool import decide as size
-from impvm.scaling.world import BackoffState, GitHubFailure, PollState, PoolObj, PoolWorld, VMObj
+from impvm.scaling.warmpool import (
+    JobQueued,
+    RunnerReady,
+    WarmPoolDecision,
+    WarmPoolEvent,
+    WarmPoolPolicy,
+    WarmPoolState,
+    warm_pool_target,
+)
+from impvm.scaling.world import (
+    BackoffState,
+    GitHubFailure,
+    PollState,
+    PoolObj,
+    PoolWorld,
+    VMObj,
+    WarmPoolMemory,
+)
 
 __all__ = [
     "CONDITION_TYPES",
@@ -84,10 +107,21 @@ __all__ = [
     "poll_wanted",
     "settle",
     "vm_manifest",
+    "warm_policy",
+    "warm_pool",
 ]
 
 #: Condition types the pool pass owns (the reaper owns ``Reaper``).
-CONDITION_TYPES = ("CredentialsInvalid", "GitHubUnavailable", "RateLimited", "Ready")
+CONDITION_TYPES = (
+    "CredentialsInvalid",
+    "GitHubUnavailable",
+    "RateLimited",
+    "Ready",
+    "Unschedulable",
+)
+#: an unbound VM younger than this is not yet judged unschedulable: agents claim within a
+#: second, and the used capacity on their Leases is up to one renewal (10 s) old
+UNSCHEDULABLE_AFTER_SECONDS = 15.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,11 +157,14 @@ class FinalizerRelease:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VMStatusPatch:
-    """Merge ``status`` into ImpVM ``name``'s status; ``event`` follows success."""
+    """Merge ``status`` into ImpVM ``name``'s status; ``event`` follows success, and so do the
+    ``observe`` histogram observations (``(kind, seconds)``: ``jobPickup``,
+    ``runnerRegistration``)."""
 
     name: str
     status: Mapping[str, Any]
     event: EventSpec | None = None
+    observe: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -192,7 +229,8 @@ class Settlement:
     """The end of a pass: the pool status fields this controller owns (``status``), its
     conditions (``conditions``, to merge into what is stored), whether that differs from what is
     stored (``write``), the Events, the backoff and poll state to keep, the seconds until the next
-    pass, and the counts (with the VMs created) for metrics."""
+    pass, the counts (with the VMs created) for metrics, and the warm pool's memory to keep once
+    the status is written (None: the pass decided no warm pool)."""
 
     status: Mapping[str, Any]
     conditions: tuple[Mapping[str, Any], ...]
@@ -202,6 +240,7 @@ class Settlement:
     poll: PollState = field(default_factory=PollState)
     requeue: float = 10.0
     counts: Counts | None = None
+    warm: WarmPoolMemory | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -210,7 +249,9 @@ class PoolPlan:
     ``registrations``, ``mints``, ``create`` new VMs (each minted at once), then ``sync`` (VM
     runner/job records). ``use_github``: whether GitHub may be called for mints and creations.
     ``poll``: poll first and decide again (nothing else is in such a plan). ``settlement``: the
-    end of the pass if every act succeeds (the shell settles again with the real outcome)."""
+    end of the pass if every act succeeds (the shell settles again with the real outcome).
+    ``warm``: the warm pool's decision (its target is ``sizing``'s minIdle) and the memory
+    it leaves."""
 
     poll: PollRequest | None = None
     sizing: ScalePlan | None = None
@@ -224,6 +265,7 @@ class PoolPlan:
     sync: tuple[VMStatusPatch, ...] = ()
     use_github: bool = False
     events: tuple[EventSpec, ...] = ()
+    warm: tuple[WarmPoolDecision, WarmPoolMemory] | None = None
     settlement: Settlement | None = None
 
     @property
@@ -276,13 +318,15 @@ def current_template_hash(world: PoolWorld) -> str | None:
         expire_after=spec.expire_after or t.spec.expire_after,
         allow_unpinned=bool(spec.allow_unpinned_images or t.spec.allow_unpinned_images),
         network=spec.network.wire() if spec.network is not None else None,
+        verify_key=world.verify_key.fingerprint if world.verify_key is not None else None,
     )
 
 
 def _new_vm(world: PoolWorld, digest: str) -> NewVM:
     """A VM from the template: ephemeral, labelled, class and image copied; runnerLayer and
     expireAfter from the pool, else the template; the pool's egress policy copied (the class's
-    applies too, see :mod:`impvm.agent.network`)."""
+    applies too, see :mod:`impvm.agent.network`); the template's signing key as
+    ``verify.publicKey`` (the agent verifies against the VM's own spec)."""
     assert world.template is not None
     t, pool = world.template.spec, world.pool.spec
     spec: dict[str, Any] = {"classRef": {"name": t.class_ref.name}, "image": t.image}
@@ -295,6 +339,8 @@ def _new_vm(world: PoolWorld, digest: str) -> NewVM:
         spec["expireAfter"] = expire
     if pool.network is not None:
         spec["network"] = pool.network.wire()
+    if world.verify_key is not None:
+        spec["verify"] = {"publicKey": world.verify_key.pem}
     return NewVM(
         spec=spec,
         labels={POOL_LABEL: world.pool.name},
@@ -466,7 +512,17 @@ def _sync(world: PoolWorld, skip: set[str], minted: set[str]) -> tuple[VMStatusP
         if reg is not None:
             if have != (reg.id, reg.name, reg.online, reg.busy):
                 want = {"id": reg.id, "name": reg.name, "online": reg.online, "busy": reg.busy}
-                out.append(VMStatusPatch(name=vm.name, status={"runner": want}))
+                patch: dict[str, Any] = {"runner": want}
+                seen: tuple[tuple[str, float], ...] = ()
+                timings = vm.status.timings
+                if (reg.online or reg.busy) and (timings is None or not timings.runner_online_at):
+                    patch["timings"] = {
+                        "createdAt": k8s_time(vm.created_at),
+                        "runnerOnlineAt": k8s_time(world.now),
+                    }
+                    took = max(0.0, (world.now - vm.created_at).total_seconds())
+                    seen = (("runnerRegistration", took),)
+                out.append(VMStatusPatch(name=vm.name, status=patch, observe=seen))
         elif cur is not None and cur.id is not None and (cur.online or cur.busy):
             gone = {"online": False, "busy": False}  # the registration vanished
             out.append(VMStatusPatch(name=vm.name, status={"runner": gone}))
@@ -482,10 +538,101 @@ def _sync(world: PoolWorld, skip: set[str], minted: set[str]) -> tuple[VMStatusP
             "workflowRunId": job.run_id,
             "repository": job.repository,
         }
+        patch = {"job": record}
+        seen = ()
         if job.started_at:
             record["startedAt"] = k8s_time(job.started_at)
-        out.append(VMStatusPatch(name=name, status={"job": record}))
+            patch["timings"] = {
+                "jobQueuedAt": k8s_time(min(job.seen_at, job.started_at)),
+                "jobStartedAt": k8s_time(job.started_at),
+            }
+            if job.wait_seconds is not None:
+                seen = (("jobPickup", job.wait_seconds),)
+        out.append(VMStatusPatch(name=name, status=patch, observe=seen))
     return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Warm pool
+
+_TICK = dt.timedelta(microseconds=1)
+
+
+def warm_policy(scaling: ScalingSpec | None) -> WarmPoolPolicy:
+    """:meth:`WarmPoolPolicy.from_spec` of ``spec.scaling``. Raises ValueError naming the
+    field (``spec.scaling`` itself when it is missing)."""
+    if scaling is None:
+        raise ValueError("spec.scaling is required")
+    return WarmPoolPolicy.from_spec(scaling)
+
+
+def _warm_state(world: PoolWorld) -> WarmPoolState:
+    """The newer of ``status.warmPool`` and what the last pass wrote (a read of the pool can
+    lag behind our own write)."""
+    stored = WarmPoolState.from_status(world.pool.status.warm_pool)
+    kept = world.warm.state
+    if kept is None or kept.updated_at is None:
+        return stored
+    if stored.updated_at is None or kept.updated_at > stored.updated_at:
+        return kept
+    return stored
+
+
+def warm_pool(world: PoolWorld, policy: WarmPoolPolicy) -> tuple[WarmPoolDecision, WarmPoolMemory]:
+    """The warm pool of this pass: its decision (target, new state) and the memory to keep.
+
+    Events (:mod:`impvm.scaling.warmpool`), each stamped after ``state.updated_at`` so it is
+    folded in exactly once:
+
+    - a :class:`JobQueued` per job-table arrival routed to the pool numbered above the memory's
+      cursor, at its observation time (an arrival recorded after a later pass, as a poll's
+      jobs are, at the instant after ``updated_at``);
+    - a :class:`RunnerReady` per VM whose runner GitHub reports online (or busy) for the first
+      time: its recorded runner never was and the memory has not counted it; ``seconds`` from
+      the VM's creation to this pass, stamped ``now``.
+    """
+    state = _warm_state(world)
+    since, now = state.updated_at, world.now
+
+    def after(t: dt.datetime) -> dt.datetime:
+        return t if since is None or t > since else since + _TICK
+
+    mem = world.warm
+    events: list[WarmPoolEvent] = [
+        JobQueued(after(a.at)) for a in world.arrivals if a.seq > mem.cursor
+    ]
+    cursor = max([mem.cursor, world.arrivals_read, *(a.seq for a in world.arrivals)])
+    names = {vm.name for vm in world.vms}
+    ready = set(mem.ready & names)
+    up = {r.name for r in world.github.runners or () if r.online or r.busy}
+    for vm in sorted(world.vms, key=lambda v: v.name):
+        cur = vm.status.runner
+        if vm.name not in up or vm.name in ready:
+            continue
+        ready.add(vm.name)
+        if cur is not None and (cur.online or cur.busy):
+            continue  # counted before (by an earlier operator run)
+        seconds = max(0.0, (now - vm.created_at).total_seconds())
+        events.append(RunnerReady(after(now), seconds))
+    decision = warm_pool_target(policy, state, events, now)
+    return decision, WarmPoolMemory(cursor=cursor, state=decision.state, ready=frozenset(ready))
+
+
+def _warm_status(decision: WarmPoolDecision) -> dict[str, Any]:
+    """``status.warmPool`` as written: a field that is now unset is sent as null (a merge
+    patch removes it)."""
+    wire = decision.status().wire()
+    wire.setdefault("activeSchedule", None)
+    return wire
+
+
+def _differs(stored: Mapping[str, Any], key: str, value: Any) -> bool:
+    if key == "warmPool":  # compared as values: the API server may spell a time differently
+        have = stored.get(key)
+        return have is None or WarmPoolStatus.model_validate(have) != WarmPoolStatus.model_validate(
+            value
+        )
+    return bool(stored.get(key) != value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -495,10 +642,11 @@ def _sync(world: PoolWorld, skip: set[str], minted: set[str]) -> tuple[VMStatusP
 def decide(world: PoolWorld) -> PoolPlan:
     """Decide one pass of ``world.pool`` (see the module docstring). Shape:
     ``PoolWorld -> PoolPlan``. A plan with ``poll`` set asks for a poll and nothing else."""
-    if world.template is None or world.vm_class is None:
+    if world.template is None or world.vm_class is None or world.verify_key_problem:
         return _finish(world, PoolPlan())
     try:
         limits = PoolLimits.from_spec(world.pool.spec)
+        policy = warm_policy(world.pool.spec.scaling)
     except ValueError as e:
         return _finish(world, PoolPlan(events=(EventSpec("InvalidSpec", str(e), True),)))
     why = poll_wanted(world)
@@ -521,6 +669,8 @@ def decide(world: PoolWorld) -> PoolPlan:
     assert digest is not None
     prefix = world.pool.prefix
     runners = world.github.runners
+    warm = warm_pool(world, policy)
+    limits = replace(limits, min_idle=warm[0].target)
     snapshot = PoolSnapshot(
         limits=limits,
         now=world.now,
@@ -578,6 +728,7 @@ def decide(world: PoolWorld) -> PoolPlan:
         sync=_sync(world, deleted, {m.vm for m in mints if m.record_only}),
         use_github=use_github,
         events=tuple(events),
+        warm=warm,
     )
     return _finish(world, plan)
 
@@ -603,11 +754,14 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
     events: list[EventSpec] = list(plan.events)
     status: dict[str, Any] = {"observedGeneration": pool.generation}
 
-    if world.template is None or world.vm_class is None:
+    if world.template is None or world.vm_class is None or world.verify_key_problem:
         tname, ns = pool.spec.template_name, pool.namespace
         if world.template is None:
             reason = "NotFound"
             msg = f"ImpVMTemplate {tname!r} not found in namespace {ns}; retrying in 30s"
+        elif world.verify_key_problem:  # fail closed: a VM without its key would boot unverified
+            reason = "VerifyKeyMissing"
+            msg = f"ImpVMTemplate {tname!r}: {world.verify_key_problem}; retrying in 30s"
         else:
             reason = "ClassNotFound"
             cname = world.template.spec.class_ref.name
@@ -718,11 +872,28 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
     c = replace(c, total=c.total + created)  # with the VMs this pass made
     status.update(starting=c.starting, idle=c.idle, busy=c.busy, total=c.total)
     status.update(desired=c.desired, pendingJobs=c.pending, outdated=c.outdated)
+    warm_memory = None
+    if plan.warm is not None:
+        decision, warm_memory = plan.warm
+        status["warmPool"] = _warm_status(decision)
+        was = pool.status.warm_pool.target if pool.status.warm_pool else None
+        if was is not None and was != decision.target:
+            text = f"warm pool target {was} -> {decision.target}: {decision.reason}"
+            events.append(EventSpec("WarmPoolResized", text[:1000]))
     if created:
         status["lastScaleUpTime"] = k8s_time(now)
         events.append(
             EventSpec("ScaledUp", f"created {created} VM(s): {sizing.create_reason}"[:1000])
         )
+    if world.timings is not None:
+        # a merge patch keeps what it does not name: a kind gone from the window is nulled
+        stored_timings = world.pool.stored_status.get("timings") or {}
+        timings: dict[str, Any] = {k: None for k in stored_timings if k not in world.timings}
+        status["timings"] = timings | dict(world.timings)
+    if g.budget is not None:
+        b = g.budget
+        reset_at = k8s_time(dt.datetime.fromtimestamp(b.reset, dt.UTC))
+        status["rateLimit"] = {"limit": b.limit, "remaining": b.remaining, "resetAt": reset_at}
     if world.polled is not None:
         p = world.polled
         if p.failure is not None:
@@ -746,12 +917,44 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
             f"{c.idle} idle, {c.busy} busy, {c.starting} starting; desired {c.desired}",
             now,
         )
+    _placement(world, conds, events)
     s = world.settings
     busy = sizing.create > created or sizing.counts.starting > 0 or bool(sizing.mint_secrets)
     requeue = s.busy_resync_seconds if busy else s.resync_seconds
     if not backoff.ready(mono):
         requeue = min(requeue, max(1.0, _wait(backoff, mono)))
-    return _settlement(world, status, conds, events, backoff, poll, requeue, c)
+    return _settlement(world, status, conds, events, backoff, poll, requeue, c, warm_memory)
+
+
+def waiting_for_a_node(world: PoolWorld) -> int:
+    """The pool's VMs that no agent has claimed for :data:`UNSCHEDULABLE_AFTER_SECONDS`."""
+    now = world.now
+    return sum(
+        1
+        for v in world.vms
+        if not v.spec.node_name
+        and not v.deleting
+        and v.status.phase in (None, VMPhase.PENDING)
+        and (now - v.created_at).total_seconds() >= UNSCHEDULABLE_AFTER_SECONDS
+    )
+
+
+def _placement(world: PoolWorld, conds: ConditionSet, events: list[EventSpec]) -> None:
+    """Condition ``Unschedulable``: True (with free and needed vCPU and MiB) while VMs of the
+    pool fit on no live agent, with a Warning Event when it becomes True."""
+    cls = world.vm_class
+    if cls is None:
+        return
+    waiting = waiting_for_a_node(world)
+    verdict = unschedulable(
+        list(world.leases), world.now, waiting, cls.spec.vcpu, cls.spec.memory_mib
+    )
+    if verdict is None:
+        text = f"{waiting} VM(s) waiting for a node" if waiting else "every VM is on a node"
+        conds.set("Unschedulable", False, "Schedulable", text, world.now)
+        return
+    if conds.set("Unschedulable", True, verdict.reason, verdict.message, world.now):
+        events.append(EventSpec("Unschedulable", verdict.message, warning=True))
 
 
 def _settlement(
@@ -763,11 +966,18 @@ def _settlement(
     poll: PollState,
     requeue: float,
     counts: Counts | None = None,
+    warm: WarmPoolMemory | None = None,
 ) -> Settlement:
     stored = world.pool.stored_status
     stored_conds = list(stored.get("conditions") or [])
     write = (
-        any(stored.get(k) != v for k, v in status.items() if k != "lastPoll")
+        # lastPoll and rateLimit change every pass: written along with a real change
+        any(
+            _differs(stored, k, v)
+            for k, v in status.items()
+            if k not in ("lastPoll", "rateLimit", "timings")
+        )
+        or (status.get("timings") is not None and status["timings"] != stored.get("timings"))
         or conds.merged_into(stored_conds) != stored_conds
         or "lastPoll" in status
     )
@@ -780,4 +990,5 @@ def _settlement(
         poll=poll,
         requeue=requeue,
         counts=counts,
+        warm=warm,
     )

@@ -1,6 +1,7 @@
 """Warm pool sizing: how many idle runners a pool keeps ready (pure: no I/O, no clock reads).
 
-A pool pass makes one call and feeds the result into :func:`impvm.scaling.decide`::
+The pool pass (:func:`impvm.scaling.poolpass.warm_pool`) makes one call and feeds the result
+into :func:`impvm.scaling.decide`::
 
     state = WarmPoolState.from_status(pool.status.warm_pool)
     warm = warm_pool_target(policy, state, events, now)

@@ -23,10 +23,11 @@ from impvm.api.models import (
     ImpVMTemplateSpec,
     PoolKey,
 )
-from impvm.scaling.jobtable import Job
+from impvm.scaling.jobtable import Arrival, Job
 from impvm.scaling.names import runner_prefix, template_hash
 from impvm.scaling.nodes import NodeLease
 from impvm.scaling.pool import RunnerView
+from impvm.scaling.warmpool import WarmPoolState
 
 __all__ = [
     "BackoffState",
@@ -41,6 +42,7 @@ __all__ = [
     "RateBudget",
     "TemplateObj",
     "VMObj",
+    "WarmPoolMemory",
     "parse_time",
 ]
 
@@ -111,6 +113,15 @@ class TemplateObj:
             name=str(body["metadata"]["name"]),
             spec=ImpVMTemplateSpec.model_validate(body["spec"]),
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyKey:
+    """The public key a template's VMs must be signed by (``spec.verify``): ``pem`` as the
+    template's Secret holds it, ``fingerprint`` ``sha256:<hex>`` of its DER form."""
+
+    pem: str
+    fingerprint: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -304,6 +315,22 @@ class PassSettings:
     backoff_cap_seconds: float = 300.0
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WarmPoolMemory:
+    """What the warm pool keeps in memory between passes (all re-derivable: a restarted
+    operator starts from ``status.warmPool`` and the VMs' recorded runners).
+
+    - ``cursor``: job-table arrivals numbered up to it were folded in (never twice);
+    - ``state``: the state the last pass wrote (used when a read of the pool lags behind it);
+    - ``ready``: VMs whose runner was already counted ready (while their recorded runner
+      still says otherwise).
+    """
+
+    cursor: int = 0
+    state: WarmPoolState | None = None
+    ready: frozenset[str] = frozenset()
+
+
 # --------------------------------------------------------------------------------------------
 # The world
 
@@ -315,12 +342,17 @@ class PoolWorld:
     - ``now`` / ``mono``: one clock reading (wall, monotonic seconds); ``jitter`` in [0, 1)
       for the backoff;
     - ``template`` / ``vm_class``: None when not found (then nothing else was observed);
+    - ``verify_key``: the template's signing key (None: it requires no signatures);
+      ``verify_key_problem``: why a key the template requires cannot be used (then nothing
+      else was observed and no VM is made);
     - ``vms``: the ImpVMs the pool owns; ``secrets``: names of the pool's JIT Secrets;
     - ``leases``: every agent Lease; ``github``: :class:`GitHubView`;
     - ``backoff``, ``poll``: state carried between passes (in memory);
     - ``pending_jobs``: queued jobs routed to the pool; ``running_jobs``: in-progress jobs by
       runner name; ``polled``: this pass's poll, when one ran;
-    - ``webhook_secret_missing``: the webhook Secret's name when it is missing.
+    - ``webhook_secret_missing``: the webhook Secret's name when it is missing;
+    - ``arrivals``: the job-table arrivals routed to the pool numbered above ``warm.cursor``,
+      read when the table's latest was ``arrivals_read``; ``warm``: :class:`WarmPoolMemory`.
     """
 
     pool: PoolObj
@@ -330,6 +362,8 @@ class PoolWorld:
     settings: PassSettings = field(default_factory=PassSettings)
     template: TemplateObj | None = None
     vm_class: ClassObj | None = None
+    verify_key: VerifyKey | None = None
+    verify_key_problem: str | None = None
     vms: tuple[VMObj, ...] = ()
     secrets: frozenset[str] = frozenset()
     leases: tuple[NodeLease, ...] = ()
@@ -340,6 +374,11 @@ class PoolWorld:
     running_jobs: Mapping[str, Job] = field(default_factory=dict)
     polled: PollOutcome | None = None
     webhook_secret_missing: str | None = None
+    #: the pool's ``status.timings`` to publish (:func:`impvm.scaling.timings.summary`)
+    timings: Mapping[str, Any] | None = None
+    arrivals: tuple[Arrival, ...] = ()
+    arrivals_read: int = 0
+    warm: WarmPoolMemory = field(default_factory=WarmPoolMemory)
 
     def after_poll(
         self, outcome: PollOutcome, pending_jobs: int, running_jobs: Mapping[str, Job]

@@ -133,6 +133,11 @@ class AgentConfig(_Model):
     )
     qemu_kernel: Path | None = Field(default=None, alias="qemuKernel")
     qemu_accelerator: Literal["auto", "kvm", "tcg"] = Field(default="auto", alias="qemuAccelerator")
+    cosign: Path | None = Field(
+        default=None,
+        description="cosign binary verifying signed images (templates with spec.verify); "
+        "default: cosign on PATH.",
+    )
     read_only_binds: list[Path] = Field(
         default_factory=list,
         alias="readOnlyBinds",
@@ -158,6 +163,16 @@ class AgentConfig(_Model):
     network_prefix: str = Field(
         default="impvm", alias="networkPrefix", pattern=r"^[a-z][a-z0-9]{0,8}$"
     )
+    metrics_listen: str = Field(
+        default="127.0.0.1:9464",
+        alias="metricsListen",
+        description="HOST:PORT of the agent's GET /metrics and GET /healthz.",
+    )
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _check_metrics_listen(cls, v: str) -> str:
+        return _listen(v)
 
     @field_validator("guest_subnet")
     @classmethod

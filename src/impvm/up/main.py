@@ -34,18 +34,21 @@ async def serve(
     say: Say = _say,
     start_agent: bool = True,
     interrupted_code: int = 0,
+    keep_vms: bool = False,
 ) -> int:
     """Make the service (``make``: e.g. after starting what a development configuration points
     at), start it, supervise it until a stop signal (or ``tick`` returns a code), stop it;
     return the exit code. ``restart_crashed``: restart a dead component with backoff (a
     service), or stop with code 1 naming it (a smoke test that must show crashes).
-    ``interrupted_code``: returned when a signal stops the running service."""
+    ``interrupted_code``: returned when a signal stops the running service. ``keep_vms``: leave
+    running VMs to the next start's agent when a signal stops the running service (see
+    :meth:`Service.stop`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before starting: a stop during start-up works
         loop.add_signal_handler(sig, stop.set)
     try:
-        code = await _serve(make, stop, restart_crashed, tick, say, start_agent)
+        code = await _serve(make, stop, restart_crashed, tick, say, start_agent, keep_vms)
         return interrupted_code if code is None else code
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -59,6 +62,7 @@ async def _serve(
     tick: Tick | None,
     say: Say,
     start_agent: bool,
+    keep_vms: bool = False,
 ) -> int | None:
     """Like :func:`serve`; ``None`` when a signal stopped the running service."""
     made: list[Service] = []
@@ -118,7 +122,8 @@ async def _serve(
                 await asyncio.wait_for(stop.wait(), 1.0)
     finally:
         say("impvm: stopping")
-        await service.stop()
+        # a stop signal (systemd's stop or restart, an upgrade) leaves the VMs' jobs running
+        await service.stop(keep_vms=keep_vms and stop.is_set() and code is None)
     return code
 
 
@@ -133,4 +138,4 @@ def run(config_path: Path) -> int:
     async def make() -> Service:
         return Service(config, source=str(config_path))
 
-    return asyncio.run(serve(make))
+    return asyncio.run(serve(make, keep_vms=True))

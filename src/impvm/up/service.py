@@ -42,6 +42,7 @@ from lightkube.core.exceptions import ApiError
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace, Secret
 
+from impvm.agent.qemu import kill_all_recorded
 from impvm.api.models import AGENT_LEASE_NAMESPACE, JIT_HANDOUT_AUDIENCE
 from impvm.api.resources import (
     ImpVMClassResource,
@@ -303,6 +304,8 @@ class Service:
             args += ["--memory-mib", str(a.memory_mib)]
         if a.qemu_kernel:
             args += ["--qemu-kernel", str(a.qemu_kernel)]
+        if a.cosign:
+            args += ["--cosign", str(a.cosign)]
         for r in a.insecure_registries:
             args += ["--insecure-registry", r]
         for p in a.read_only_binds:
@@ -316,6 +319,11 @@ class Service:
             a.network_table,
             "--network-prefix",
             a.network_prefix,
+            "--metrics-address",
+            # another node's agent on this machine (tests): a free port of its own
+            a.metrics_listen
+            if node == self.node_name
+            else a.metrics_listen.rpartition(":")[0] + ":0",
         ]
         for d in a.guest_dns or []:
             args += ["--guest-dns", d]
@@ -394,9 +402,13 @@ class Service:
                 p.wait()
 
     def _kill_processes(self) -> None:
+        agents = [n for n in self.procs if n.startswith("agent-")]
         for name in list(self.procs):
             with contextlib.suppress(Exception):
                 self.kill(name)
+        for name in agents:  # VMs outlive their agent: not this process's exit
+            with contextlib.suppress(Exception):
+                kill_all_recorded(self.data_dir / name)
 
     def dead(self) -> list[tuple[str, int]]:
         """(name, exit code) of every process that exited, control plane included."""
@@ -444,11 +456,17 @@ class Service:
             done.append(f"{name} restarted")
         return done
 
-    async def stop(self) -> None:
-        """Stop the operator and agent (SIGTERM: they stop their VMs), then the control plane.
-        Idempotent; state stays in the data directory."""
+    async def stop(self, keep_vms: bool = False) -> None:
+        """Stop the operator and agent (SIGTERM), then (unless ``keep_vms``) the VMs the agent
+        left running, then the control plane. Idempotent; state stays in the data directory.
+        ``qemu`` VMs outlive their agent: kept, they go on with their jobs and the next start's
+        agent re-attaches them (an upgrade of ``impvm up``); stopped, the next agent reports
+        them Failed."""
+        agents = [n for n in self.procs if n.startswith("agent-")]
         for name in list(self.procs):
             self.kill(name, signal.SIGTERM)
+        for name in agents if not keep_vms else ():
+            await asyncio.to_thread(kill_all_recorded, self.data_dir / name)
         if self.kube is not None:
             await self.kube.close()
             self.kube = None

@@ -1,0 +1,116 @@
+"""Signing images for tests and the embedded stack, the way a user's CI does (docs/signing.md):
+``cosign generate-key-pair`` makes the key pair and ``cosign sign --key`` writes a sigstore
+signature next to the image in the registry, as the ``REPO:sha256-<digest>.sig`` attachment the
+agent's ``cosign verify`` reads (:mod:`impvm.agent.signing`).
+
+cosign is built once from its Go module (``assets/build-cosign.sh``, cached under
+``~/.cache/impvm/cosign/<version>``; scripts/setup.sh builds it).
+
+Example::
+
+    key = await generate_key_pair(tmp_path / "keys")
+    await sign_image(key, "127.0.0.1:5000/imp/runner-base@sha256:...", insecure=True)
+    key.public_key_pem          # what goes into the template's public-key Secret
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import subprocess
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+
+class SigningError(Exception):
+    """cosign or skopeo failed (the message names the step and carries the tool's stderr)."""
+
+
+def cosign_binary(build: bool = True) -> Path:
+    """Path of the pinned cosign CLI, building it first when the cache lacks it (minutes) unless
+    ``build`` is False. Raises :class:`SigningError` when it is missing (``build=False``) or the
+    build fails."""
+    script = resources.files("impvm.devstack").joinpath("assets/build-cosign.sh")
+    env = dict(os.environ)
+    if not build:
+        env["IMPVM_COSIGN_CHECK_ONLY"] = "1"
+    proc = subprocess.run(
+        ["bash", str(script)], stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env
+    )
+    if proc.returncode != 0:
+        raise SigningError(f"cosign: {proc.stderr.strip()[-2000:]}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.write_text(text)
+    os.chmod(path, 0o600)
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    """A cosign key pair on disk: ``private_key`` (``cosign.key``, encrypted with the password in
+    ``password_file``), ``public_key`` (``cosign.pub``) and its PEM text."""
+
+    private_key: Path
+    public_key: Path
+    password_file: Path = field(repr=False)
+
+    @property
+    def public_key_pem(self) -> str:
+        """The PEM public key (not secret: it goes into a template's Secret and VM specs)."""
+        return self.public_key.read_text()
+
+    @property
+    def password(self) -> str:
+        """The private key's password (cosign's ``COSIGN_PASSWORD``)."""
+        return self.password_file.read_text()
+
+
+async def generate_key_pair(directory: Path, cosign: Path | None = None) -> SigningKey:
+    """``cosign generate-key-pair`` into ``directory`` (created 0700) with a random password.
+    Raises :class:`SigningError`."""
+    password = secrets.token_urlsafe(24)
+    pw = directory / "password"
+    await asyncio.to_thread(_write_private, pw, password)
+    binary = cosign or await asyncio.to_thread(cosign_binary)
+    proc = await asyncio.create_subprocess_exec(
+        str(binary),
+        "generate-key-pair",
+        "--output-key-prefix",
+        str(directory / "cosign"),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "COSIGN_PASSWORD": password},
+    )
+    _, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise SigningError(f"cosign generate-key-pair failed: {err.decode(errors='replace')}")
+    return SigningKey(directory / "cosign.key", directory / "cosign.pub", pw)
+
+
+async def sign_image(
+    key: SigningKey, pinned: str, *, insecure: bool = False, cosign: Path | None = None
+) -> None:
+    """Sign ``pinned`` (``REPO@sha256:...``) with ``cosign sign --key``, without a
+    transparency-log upload (the registry attachment is what the agent checks). ``insecure``:
+    plain-HTTP (loopback) registry. Raises :class:`SigningError`."""
+    binary = cosign or await asyncio.to_thread(cosign_binary)
+    args = [str(binary), "sign", "--yes", "--tlog-upload=false", "--key", str(key.private_key)]
+    if insecure:
+        args += ["--allow-insecure-registry", "--allow-http-registry"]
+    proc = await asyncio.create_subprocess_exec(
+        *args,
+        pinned,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "COSIGN_PASSWORD": key.password},
+    )
+    _, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise SigningError(f"cosign sign {pinned} failed: {err.decode(errors='replace')[-2000:]}")
