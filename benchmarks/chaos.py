@@ -2,8 +2,9 @@
 webhook path fail, then one table of what was lost. Every loss column must be 0.
 
 The stack (:class:`impvm.devstack.stack.Stack`): a real control plane, two operator replicas
-electing a leader on their Lease, one agent with the ``process`` runtime (bubblewrap sandboxes;
-the ``qemu`` runtime goes through the same agent code), the GitHub stand-in, the example pool in
+electing a leader on their Lease, one agent with the ``process`` runtime (bubblewrap sandboxes,
+which die with a killed agent) or, with ``--runtime qemu``, QEMU VMs (they outlive a killed agent
+and the next agent process re-attaches them), the GitHub stand-in, the example pool in
 ``hybrid`` mode (webhooks plus a poll every 5 s) with ``maxConcurrent`` 4. As root the stand-in
 and every VM live in network namespaces the stack creates and deletes; otherwise everything is on
 loopback. Webhooks travel stand-in -> a loopback relay in this process (it keeps each delivery
@@ -222,6 +223,7 @@ async def run(args: argparse.Namespace) -> Result:
             polling_interval_seconds=5,
             scaling_mode="hybrid",
             webhook_drop_rate=WEBHOOK_LOSS,
+            runtime=args.runtime,
         )
     )
     port1 = free_port()
@@ -429,7 +431,7 @@ def table(r: Result, args: argparse.Namespace) -> str:
         f"then: {', '.join(map(str, r.busy_at_agent_kills)) or '-'}), "
         f"{FAIL_5XX:.0%} GitHub 5xx, {WEBHOOK_LOSS:.0%} webhooks lost, rate limit exhausted "
         f"{args.rate_limit_seconds} s, installation suspended {args.suspend_seconds} s; "
-        f"{r.seconds:.0f} s"
+        f"{r.seconds:.0f} s; {args.runtime} runtime"
     )
     return "\n".join(out)
 
@@ -451,6 +453,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for name, default in zip(names, FULL, strict=True):
         ap.add_argument(f"--{name}", type=int, help=f"default {default}")
     ap.add_argument("--job-seconds", type=float, default=3.0, help="each job's run time")
+    ap.add_argument(
+        "--runtime",
+        choices=("process", "qemu"),
+        default="process",
+        help="the agent's runtime: qemu VMs outlive a killed agent and are re-attached; "
+        "process sandboxes die with it (a busy one then loses its job)",
+    )
     args = ap.parse_args(argv)
     for name, full, quick in zip(names, FULL, QUICK, strict=True):
         attr = name.replace("-", "_")
