@@ -1,7 +1,8 @@
 """Benchmark: a fleet of N pools x M VMs created through the ``imp.dev/runner-demand``
-annotation, on the embedded stack (real control plane, operator process, GitHub stand-in; no
-agent unless ``--agent``), in webhook or polling mode, with 1, 50 or 500 repositories in the
-organisation.
+annotation (or, ``--demand jobs``, for M queued jobs per pool in the stand-in), on the embedded
+stack (real control plane, operator process, GitHub stand-in; no agent unless ``--agent``), in
+webhook or polling mode, with 1, 50 or 500 repositories in the organisation (the stand-in is
+seeded with them). The example pool (minIdle 1) runs beside the N pools and is not counted.
 
 For each run it reports:
 
@@ -47,7 +48,7 @@ from lightkube.resources.core_v1 import Namespace, Secret
 
 from impvm.api.models import DEMAND_ANNOTATION
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.devstack.stack import NAMESPACE, ORG, Stack, StackConfig, wait_for
+from impvm.devstack.stack import NAMESPACE, ORG, REPO, Stack, StackConfig, wait_for
 
 POOL_LABEL = "imp.dev/runner-pool"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -169,6 +170,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "pools": args.pools,
         "vms_per_pool": args.vms,
         "repos": args.repos,
+        "demand": args.demand,
         "agent": args.agent,
         "load_start": os.getloadavg(),
     }
@@ -176,8 +178,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         service = await s.start_fixtures()
         assert s.standin is not None
         # the organisation's repositories: ORG/app plus repos-1 more (the installation sees all)
-        for i in range(args.repos - 1):
-            s.standin.state.add_repo(f"{ORG}/repo-{i:03d}")
+        repos = [REPO] + [f"{ORG}/repo-{i:03d}" for i in range(args.repos - 1)]
+        for r in repos[1:]:
+            s.standin.state.add_repo(r)
         await service.start(start_agent=args.agent)
         await s.after_start()
         assert s.kube is not None
@@ -196,6 +199,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         c0 = cpu_seconds(pid)
         t0 = time.monotonic()
         for n in names:
+            if args.demand == "jobs":
+                # real queued jobs, spread over the repositories; webhooks are delivered for
+                # them in webhook mode, the poller finds them in polling mode
+                for j in range(args.vms):
+                    repo = repos[(names.index(n) * args.vms + j) % len(repos)]
+                    s.standin.queue_job(repo, ["self-hosted", n], name=f"{n}-{j}")
+                continue
             await s.kube.patch(
                 ImpVMRunnerPoolResource,
                 n,
@@ -288,6 +298,12 @@ def main() -> None:
     ap.add_argument("--mode", choices=["webhook", "polling", "hybrid"], default="webhook")
     ap.add_argument("--repos", type=int, default=1, help="repositories in the organisation")
     ap.add_argument("--poll-interval", type=int, default=None, help="polling intervalSeconds")
+    ap.add_argument(
+        "--demand",
+        choices=["annotation", "jobs"],
+        default="annotation",
+        help="annotation: imp.dev/runner-demand on each pool; jobs: queue M real jobs per pool",
+    )
     ap.add_argument("--agent", action="store_true", help="run the agent (process runtime) too")
     ap.add_argument("--settle", type=float, default=20.0, help="seconds after creation")
     ap.add_argument("--quiet", type=float, default=60.0, help="seconds of the quiet window")
