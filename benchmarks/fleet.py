@@ -163,6 +163,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             start_agent=args.agent,
             apply_example=True,
             polling_interval_seconds=args.poll_interval,
+            # loopback only; the agent's guests reach the stand-in through a namespace of its own
+            isolated_network=None if args.agent else False,
         )
     )
     result: dict[str, Any] = {
