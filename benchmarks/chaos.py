@@ -302,6 +302,13 @@ async def run(args: argparse.Namespace) -> Result:
                 for k in range(args.agent_kills):
                     at = start + (k + 1) * args.fault_seconds / (args.agent_kills + 1)
                     await asyncio.sleep(max(0.0, at - time.monotonic()))
+                    # --kill-agent-when-busy: up to 30 s more for a runner in a job, so the
+                    # kill meets one (re-attach is what is tested then)
+                    if args.kill_agent_when_busy:
+                        for _ in range(60):
+                            if any(r.busy for r in stack.runners()):
+                                break
+                            await asyncio.sleep(0.5)
                     res.busy_at_agent_kills.append(sum(r.busy for r in stack.runners()))
                     stack.kill("agent-node-1")
                     stack.start_agent()
@@ -453,6 +460,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for name, default in zip(names, FULL, strict=True):
         ap.add_argument(f"--{name}", type=int, help=f"default {default}")
     ap.add_argument("--job-seconds", type=float, default=3.0, help="each job's run time")
+    ap.add_argument(
+        "--kill-agent-when-busy",
+        action="store_true",
+        help="each agent kill waits (at most 30 s) until a runner is in a job",
+    )
     ap.add_argument(
         "--runtime",
         choices=("process", "qemu"),
