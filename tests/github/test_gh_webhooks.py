@@ -57,6 +57,12 @@ def test_missing_or_wrong_signature_is_a_rejection() -> None:
         handle_delivery(SECRET, _headers(body, secret="wrong"), body)
     with pytest.raises(WebhookRejected):
         handle_delivery(SECRET, _headers(body), body + b" ")
+    # a header no digest can equal, not even ASCII: rejected, not an exception
+    assert not signature_is_valid(SECRET, body, "sha256=\u00e9")
+    headers = _headers(body)
+    headers["X-Hub-Signature-256"] = "sha256=\u00e9"
+    with pytest.raises(WebhookRejected):
+        handle_delivery(SECRET, headers, body)
 
 
 def test_every_workflow_job_example_parses() -> None:

@@ -355,6 +355,13 @@ async def test_an_agent_gets_its_own_nodes_jit_config_and_no_other(
             assert resp.status_code == 403 and "jit-of-a" not in resp.text
             ok = await ask(token_a.read_text())
             assert ok.status_code == 200 and ok.headers["Cache-Control"] == "no-store"
+            # an encoded "/" in the name would address another API path: 404, no API call
+            for bad in ("a%2Fb", "A", "a_b", "-a"):
+                resp = await h.get(
+                    f"{handout}/agents/v1/namespaces/{namespace}/impvms/{bad}/jitconfig",
+                    headers={"Authorization": f"Bearer {token_a.read_text()}"},
+                )
+                assert resp.status_code == 404, (bad, resp.text)
 
         # once launched, not even its own node gets it again
         _phase(kube, namespace, "vm-a", "Starting")

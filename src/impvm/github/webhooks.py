@@ -45,8 +45,8 @@ def signature_is_valid(secret: str | bytes | None, body: bytes, signature: str |
     """True only if ``secret`` and ``signature`` are both non-empty and ``signature`` equals
     :func:`compute_signature` (constant-time compare). A missing secret or signature is never a
     pass."""
-    if not secret or not signature:
-        return False
+    if not secret or not signature or not signature.isascii():
+        return False  # a header no hex digest can equal (and compare_digest wants ASCII)
     return hmac.compare_digest(compute_signature(secret, body).encode(), signature.encode())
 
 

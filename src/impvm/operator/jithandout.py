@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -47,6 +48,10 @@ NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 BEFORE_LAUNCH = frozenset({"", VMPhase.PENDING.value, VMPhase.SCHEDULED.value})
 #: The path agents ask; ``{namespace}`` and ``{name}`` are the VM's.
 PATH = JIT_HANDOUT_PATH
+#: Object names as the API server accepts them (Kubernetes API conventions: namespaces are
+#: RFC 1123 labels, ImpVM names RFC 1123 subdomains).
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 
 
 class Verdict(StrEnum):
@@ -189,6 +194,13 @@ class JitHandout:
     async def handle(self, request: web.Request) -> web.Response:
         namespace = request.match_info["namespace"]
         name = request.match_info["name"]
+        if not (_DNS_LABEL.fullmatch(namespace) and _DNS_SUBDOMAIN.fullmatch(name)):
+            # an encoded "/" or other non-name would address another API path: no call at all
+            return web.json_response(
+                {"message": "not a namespace and ImpVM name (RFC 1123)"},
+                status=404,
+                headers={"Cache-Control": "no-store"},
+            )
         auth = request.headers.get("Authorization", "")
         token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         caller = Caller(authenticated=False)
