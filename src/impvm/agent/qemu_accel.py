@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +100,15 @@ def kvm_usable() -> str | None:
     return None
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
+    """preexec_fn: SIGKILL this process when its parent (the agent) dies (prctl(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 async def probe_boot(
     qemu: str,
     accel: Accel,
@@ -129,6 +140,7 @@ async def probe_boot(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=_die_with_parent,  # a probe never outlives the agent that asked (VMs do)
     )
     assert proc.stdout is not None
     seen = b""
