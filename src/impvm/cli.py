@@ -398,6 +398,9 @@ def doctor(
     if runtime not in ("qemu", "process"):
         typer.echo(f"impvm doctor: --runtime {runtime!r}: want qemu or process", err=True)
         raise typer.Exit(code=2)
+    if output not in ("text", "json"):
+        typer.echo(f"impvm doctor: --output {output!r}: want text or json", err=True)
+        raise typer.Exit(code=2)
     checks = asyncio.run(
         dr.run_checks(
             runtime, workdir, qemu_kernel=qemu_kernel, guest_network=guest_network, probe=probe

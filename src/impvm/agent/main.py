@@ -219,8 +219,9 @@ def main(
             cosign,
         )
     except ValueError as exc:
-        if runtime_name not in ("qemu", "process"):
-            raise
+        if runtime_name not in ("qemu", "process"):  # a bad option: one line naming it, exit 2
+            print(f"impvm agent: --runtime {runtime_name!r}: want qemu or process", file=sys.stderr)
+            raise SystemExit(2) from None
         # the runtime cannot work here: run anyway, claim nothing, say why on the Lease
         checks.append(Check(f"runtime {runtime_name}", False, str(exc), "see the checks above"))
         store = ImageStore(workdir / "images", image_cache_mib * 1024 * 1024, set())

@@ -83,9 +83,9 @@ def build(
     update_lock: Annotated[
         bool, typer.Option(help="Record new Debian package versions and wheels in the lock.")
     ] = False,
-    no_cache: Annotated[bool, typer.Option(help="Rebuild even when the inputs are cached.")] = (
-        False
-    ),
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="Rebuild even when the inputs are cached.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = (
         False
     ),
