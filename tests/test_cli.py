@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,3 +26,48 @@ def test_operator_help_names_the_safety_poll_period() -> None:
         check=True,
     ).stdout
     assert "--webhook-safety-poll-seconds" in out
+
+
+UNREACHABLE = """\
+apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1", insecure-skip-tls-verify: true}}]
+users: [{name: u, user: {token: x}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+"""
+
+
+@pytest.mark.parametrize("command", [["status"], ["status", "-o", "json"], ["logs", "some-vm"]])
+@pytest.mark.parametrize("kubeconfig", ["apiVersion: v1\nclusters: [\n  bad", UNREACHABLE])
+def test_a_bad_kubeconfig_or_an_unreachable_server_is_one_line_and_exit_2(
+    tmp_path: Path, command: list[str], kubeconfig: str
+) -> None:
+    f = tmp_path / "kubeconfig"
+    f.write_text(kubeconfig)
+    got = subprocess.run(
+        [sys.executable, "-m", "impvm.cli", *command, "--kubeconfig", str(f)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert got.returncode == 2, got.stderr
+    assert len(got.stderr.strip().splitlines()) == 1 and "Traceback" not in got.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["doctor", "-o", "yaml"],
+        ["agent", "--operator-url", "http://127.0.0.1:1", "--runtime", "bogus", "--workdir"],
+    ],
+)
+def test_an_unknown_choice_is_one_line_and_exit_2(tmp_path: Path, args: list[str]) -> None:
+    if args[-1] == "--workdir":
+        args = [*args, str(tmp_path / "agent")]
+    got = subprocess.run(
+        [sys.executable, "-m", "impvm.cli", *args], capture_output=True, text=True, timeout=60
+    )
+    assert got.returncode == 2, got.stderr
+    assert got.stderr.strip().splitlines()[-1].startswith(f"impvm {args[0]}: ")
+    assert "Traceback" not in got.stderr

@@ -292,6 +292,7 @@ def status(
     agents (capacity, heartbeat, preflight), the GitHub rate limit, the last warning Events."""
     import asyncio
 
+    import yaml
     from lightkube import ConfigError
     from rich.console import Console
 
@@ -302,8 +303,8 @@ def status(
         raise typer.Exit(code=2)
     try:
         kube = client(kubeconfig, context)
-    except (ConfigError, OSError) as e:
-        typer.echo(f"impvm status: no usable kubeconfig: {e}", err=True)
+    except (ConfigError, OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as e:
+        typer.echo(f"impvm status: no usable kubeconfig: {_one_line(e)}", err=True)
         raise typer.Exit(code=2) from None
 
     async def main() -> int:
@@ -323,7 +324,22 @@ def status(
         code = asyncio.run(main())
     except KeyboardInterrupt:
         code = 0
+    except _transport_errors() as e:
+        typer.echo(f"impvm status: the API server cannot be reached: {_one_line(e)}", err=True)
+        raise typer.Exit(code=2) from None
     raise typer.Exit(code=code)
+
+
+def _one_line(e: BaseException) -> str:
+    """An error as one line (a YAML parser's message spans several)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """What lightkube's HTTP client raises when the API server cannot be reached."""
+    import httpx2
+
+    return (httpx2.TransportError, OSError)
 
 
 @app.command()
@@ -343,6 +359,7 @@ def logs(
     import asyncio
     import sys
 
+    import yaml
     from lightkube import ConfigError
 
     from impvm.logscmd import LogsError, locate, read
@@ -350,8 +367,8 @@ def logs(
 
     try:
         kube = client(kubeconfig, context)
-    except (ConfigError, OSError) as e:
-        typer.echo(f"impvm logs: no usable kubeconfig: {e}", err=True)
+    except (ConfigError, OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as e:
+        typer.echo(f"impvm logs: no usable kubeconfig: {_one_line(e)}", err=True)
         raise typer.Exit(code=2) from None
 
     async def main() -> bytes:
@@ -365,6 +382,9 @@ def logs(
     except LogsError as e:
         typer.echo(f"impvm logs: {e}", err=True)
         raise typer.Exit(code=1) from None
+    except _transport_errors() as e:
+        typer.echo(f"impvm logs: the API server cannot be reached: {_one_line(e)}", err=True)
+        raise typer.Exit(code=2) from None
     sys.stdout.buffer.write(data)
     sys.stdout.flush()
 
