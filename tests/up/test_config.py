@@ -102,6 +102,7 @@ def _set(cfg: dict, dotted: str, value: object) -> None:
         (("operator.listen", "8080"), "operator.listen: Value error, want HOST:PORT"),
         (("agent.guestSubnet", "10.0.0.0/8"), "agent.guestSubnet: Value error, want a /16 to /28"),
         (("agent.guestNetwork", "bridge"), "agent.guestNetwork: Input should be 'isolated' or"),
+        (("agent.guestDns", ["notanip"]), "agent.guestDns: Value error,"),
         (("pools.ci.scaling.minIdle", -1), "pools.ci.scaling.minIdle: Input should be greater"),
         (("pools.ci.platform.scope.org", "-bad-"), "pools.ci.platform.scope.org: String should"),
         (("pools.ci.templateName", "Not_A_Name"), "pools.ci.templateName: String should match"),

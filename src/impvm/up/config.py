@@ -174,6 +174,17 @@ class AgentConfig(_Model):
     def _check_metrics_listen(cls, v: str) -> str:
         return _listen(v)
 
+    @field_validator("guest_dns")
+    @classmethod
+    def _dns(cls, v: list[str] | None) -> list[str] | None:
+        import ipaddress
+
+        if v is None or v == ["none"]:
+            return v
+        for d in v:
+            ipaddress.IPv4Address(d)  # ValueError names the bad entry
+        return v
+
     @field_validator("guest_subnet")
     @classmethod
     def _subnet(cls, v: str) -> str:
