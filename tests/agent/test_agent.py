@@ -275,9 +275,11 @@ async def test_a_failed_vm_keeps_its_console_for_impvm_logs(
         async def failed() -> dict[str, Any] | None:
             vm = (await env.vms()).get("broken")
             st = (vm or {}).get("status") or {}
-            return vm if st.get("phase") == "Failed" and st.get("consoleLog") else None
+            # and released (finalizer gone), or the stopped agent would hold its deletion
+            released = vm is not None and not vm["metadata"].get("finalizers")
+            return vm if st.get("phase") == "Failed" and st.get("consoleLog") and released else None
 
-        await until("the VM failed", failed, 120)
+        await until("the VM failed and was released", failed, 120)
         vm = await failed()
         assert vm is not None
     st = vm["status"]
