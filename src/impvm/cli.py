@@ -292,7 +292,6 @@ def status(
     agents (capacity, heartbeat, preflight), the GitHub rate limit, the last warning Events."""
     import asyncio
 
-    import yaml
     from lightkube import ConfigError
     from rich.console import Console
 
@@ -303,8 +302,8 @@ def status(
         raise typer.Exit(code=2)
     try:
         kube = client(kubeconfig, context)
-    except (ConfigError, OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as e:
-        typer.echo(f"impvm status: no usable kubeconfig: {_one_line(e)}", err=True)
+    except ConfigError as e:
+        typer.echo(f"impvm status: no usable kubeconfig: {e}", err=True)
         raise typer.Exit(code=2) from None
 
     async def main() -> int:
@@ -359,7 +358,6 @@ def logs(
     import asyncio
     import sys
 
-    import yaml
     from lightkube import ConfigError
 
     from impvm.logscmd import LogsError, locate, read
@@ -367,8 +365,8 @@ def logs(
 
     try:
         kube = client(kubeconfig, context)
-    except (ConfigError, OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as e:
-        typer.echo(f"impvm logs: no usable kubeconfig: {_one_line(e)}", err=True)
+    except ConfigError as e:
+        typer.echo(f"impvm logs: no usable kubeconfig: {e}", err=True)
         raise typer.Exit(code=2) from None
 
     async def main() -> bytes:

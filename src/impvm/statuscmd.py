@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lightkube import AsyncClient
+import yaml
+from lightkube import AsyncClient, ConfigError
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.coordination_v1 import Lease
@@ -27,13 +28,20 @@ from impvm.statusview import Snapshot, render, summarize
 
 def client(kubeconfig: Path | None = None, context: str | None = None) -> AsyncClient:
     """A read-only use of the cluster: ``kubeconfig`` (and ``context``) if given, else
-    lightkube's discovery. Raises ``lightkube.ConfigError`` when none is found."""
-    if kubeconfig is not None:
-        config = KubeConfig.from_file(str(kubeconfig))
-        return AsyncClient(config=config.get(context_name=context))
-    if context is not None:
-        return AsyncClient(config=KubeConfig.from_env().get(context_name=context))
-    return AsyncClient()
+    lightkube's discovery. Raises ``lightkube.ConfigError`` (one line) when none is found or
+    the file cannot be read or parsed."""
+    try:
+        if kubeconfig is not None:
+            config = KubeConfig.from_file(str(kubeconfig))
+            return AsyncClient(config=config.get(context_name=context))
+        if context is not None:
+            return AsyncClient(config=KubeConfig.from_env().get(context_name=context))
+        return AsyncClient()
+    except ConfigError as e:
+        raise ConfigError(" ".join(str(e).split())) from None
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as e:
+        # a missing or unreadable file, YAML that does not parse, a kubeconfig of another shape
+        raise ConfigError(" ".join(str(e).split()) or type(e).__name__) from None
 
 
 async def read_snapshot(kube: AsyncClient, namespace: str | None = None) -> Snapshot:
