@@ -13,7 +13,7 @@ log() { echo "setup: $*" >&2; }
 # VM's own network and its egress policy), dnsmasq-base (the network tests' resolver in their
 # "internet" namespace), mmdebstrap (the images' Debian roots), podman + runc (run the built images
 # in the tests).
-DEB_PACKAGES=(bubblewrap skopeo umoci docker-registry busybox-static qemu-system-x86 linux-image-amd64 linux-image-cloud-amd64 e2fsprogs nftables iproute2 util-linux dnsmasq-base mmdebstrap podman runc)
+DEB_PACKAGES=(bubblewrap skopeo umoci docker-registry busybox-static qemu-system-x86 linux-image-amd64 linux-image-cloud-amd64 e2fsprogs nftables iproute2 util-linux dnsmasq-base mmdebstrap podman runc tmux)
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
