@@ -7,11 +7,18 @@ controller-runtime's envtest. Certificates (CA, serving, admin client with ``sys
 the service-account signing key are generated with ``cryptography``: per start for a throwaway
 control plane, once for a ``persistent`` one (``impvm up``), which also keeps its ports and etcd's
 data (written with fsync) in ``workdir`` so a restart, or a reboot, carries on where it stopped.
+
+Secrets are encrypted at rest: kube-apiserver gets an ``EncryptionConfiguration`` (Kubernetes
+docs, "Encrypting Confidential Data at Rest") with the ``secretbox`` provider (XSalsa20 +
+Poly1305) and a 32-byte key made once in ``pki/`` (0600), so the App's private key and the JIT
+configs are never in etcd's files in clear. The key file sits beside the CA key: whoever can read
+one can read the other.
 """
 
 from __future__ import annotations
 
 import atexit
+import base64
 import datetime as dt
 import ipaddress
 import json
@@ -258,6 +265,30 @@ class ControlPlane:
             write_private(key_path, _pem_key(key))
             write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
 
+    def _ensure_encryption(self) -> Path:
+        """The kube-apiserver ``EncryptionConfiguration`` for Secrets (made once when
+        persistent: a new key would leave the Secrets already stored unreadable)."""
+        path = self.pki / "encryption.yaml"
+        if self.persistent and path.is_file():
+            return path
+        key = base64.b64encode(os.urandom(32)).decode()
+        config = {
+            "apiVersion": "apiserver.config.k8s.io/v1",
+            "kind": "EncryptionConfiguration",
+            "resources": [
+                {
+                    "resources": ["secrets"],
+                    "providers": [
+                        {"secretbox": {"keys": [{"name": "key1", "secret": key}]}},
+                        # reads Secrets stored before encryption was turned on
+                        {"identity": {}},
+                    ],
+                }
+            ],
+        }
+        write_private(path, yaml.safe_dump(config).encode())
+        return path
+
     def _ca_key(self) -> rsa.RSAPrivateKey:
         key = serialization.load_pem_private_key((self.pki / "ca.key").read_bytes(), None)
         assert isinstance(key, rsa.RSAPrivateKey)
@@ -364,6 +395,7 @@ class ControlPlane:
         atexit.register(self.stop)  # never leave etcd/kube-apiserver running behind a crash
         self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._ensure_pki()
+        encryption = self._ensure_encryption()
         pki = self.pki
         self.api_port, self.etcd_port, peer_port = self._ports()
         etcd_url = f"http://127.0.0.1:{self.etcd_port}"
@@ -421,6 +453,8 @@ class ControlPlane:
                 str(pki / "sa.pub"),
                 "--service-account-signing-key-file",
                 str(pki / "sa.key"),
+                "--encryption-provider-config",
+                str(encryption),
                 "--v",
                 "1",
             ],
