@@ -108,6 +108,7 @@ def _set(cfg: dict, dotted: str, value: object) -> None:
         (("pools.ci.templateName", "Not_A_Name"), "pools.ci.templateName: String should match"),
         (("github.app.privateKeyFile", "missing.pem"), "github.app.privateKeyFile: "),
         (("github.webhookSecretFile", KeyError), "pools.ci.scaling.mode: webhook needs"),
+        (("agent.qemuKernel", "no-such-vmlinuz"), "agent.qemuKernel: "),
     ],
 )
 def test_one_line_naming_the_field(

@@ -415,6 +415,10 @@ def parse_config(text: str, source: str = "impvm.yaml", base: Path | None = None
         _check_secret_file(
             f"{source}: github.webhookSecretFile", cfg.github.webhook_secret_file, "webhook secret"
         )
+    kernel = cfg.agent.qemu_kernel
+    if kernel is not None and not kernel.is_file():
+        # the agent would start and fail its preflight on every VM; say it here, once
+        raise ConfigError(f"{source}: agent.qemuKernel: {kernel}: no such file")
     for name, pool in cfg.pools.items():
         mode = pool.scaling.mode if pool.scaling else "manual"
         if mode in ("webhook", "hybrid") and cfg.github.webhook_secret_file is None:
