@@ -55,6 +55,31 @@ def test_a_bad_kubeconfig_or_an_unreachable_server_is_one_line_and_exit_2(
     assert len(got.stderr.strip().splitlines()) == 1 and "Traceback" not in got.stderr
 
 
+@pytest.mark.parametrize("command", [["operator"], ["agent", "--workdir"]])
+@pytest.mark.parametrize(
+    "kubeconfig", [None, "just a string", "apiVersion: v1\nclusters: [\n  bad"]
+)
+def test_a_component_without_a_usable_kubeconfig_is_one_line_and_exit_2(
+    tmp_path: Path, command: list[str], kubeconfig: str | None
+) -> None:
+    if command[-1] == "--workdir":
+        command = [*command, str(tmp_path / "agent")]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no ~/.kube, not in a cluster
+    if kubeconfig is not None:
+        (tmp_path / "kubeconfig").write_text(kubeconfig)
+        env["KUBECONFIG"] = str(tmp_path / "kubeconfig")
+    got = subprocess.run(
+        [sys.executable, "-m", "impvm.cli", *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert got.returncode == 2, got.stderr
+    assert len(got.stderr.strip().splitlines()) == 1 and "Traceback" not in got.stderr
+    assert "no usable kubeconfig" in got.stderr
+
+
 @pytest.mark.parametrize(
     "args",
     [

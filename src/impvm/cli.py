@@ -54,6 +54,21 @@ def crds() -> None:
     sys.stdout.write(render_yaml())
 
 
+def _require_kubeconfig(command: str) -> None:
+    """Exit 2 with one line when lightkube's discovery (in-cluster ServiceAccount, then
+    KUBECONFIG, then ~/.kube/config) finds no usable configuration: the components would
+    otherwise die with a traceback."""
+    from lightkube import ConfigError
+
+    from impvm.statuscmd import discover
+
+    try:
+        discover()
+    except ConfigError as e:
+        typer.echo(f"impvm {command}: no usable kubeconfig: {e}", err=True)
+        raise typer.Exit(code=2) from None
+
+
 @app.command()
 def operator(
     namespace: Annotated[
@@ -139,6 +154,7 @@ def operator(
                 )
             users.append(f"system:serviceaccount:{ns}:{name}")
         settings = replace(settings, agent_service_accounts=tuple(users))
+    _require_kubeconfig("operator")
     operator_main(namespace or [], http_host, http_port, settings)
 
 
@@ -225,6 +241,7 @@ def agent(
     from impvm.agent.main import default_node_name, host_memory_mib
     from impvm.agent.main import main as agent_main
 
+    _require_kubeconfig("agent")
     agent_main(
         node_name or default_node_name(),
         runtime,

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 from lightkube import AsyncClient, ConfigError
-from lightkube.config.kubeconfig import KubeConfig
+from lightkube.config.kubeconfig import KubeConfig, SingleConfig
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Event
@@ -26,22 +26,30 @@ from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
 from impvm.statusview import Snapshot, render, summarize
 
 
-def client(kubeconfig: Path | None = None, context: str | None = None) -> AsyncClient:
-    """A read-only use of the cluster: ``kubeconfig`` (and ``context``) if given, else
-    lightkube's discovery. Raises ``lightkube.ConfigError`` (one line) when none is found or
-    the file cannot be read or parsed."""
+def discover(kubeconfig: Path | None = None, context: str | None = None) -> SingleConfig:
+    """The cluster configuration: ``kubeconfig`` (and ``context``) if given, else lightkube's
+    discovery (in-cluster ServiceAccount, ``KUBECONFIG``, ``~/.kube/config``). Raises
+    ``lightkube.ConfigError`` (one line) when none is found or the file cannot be read or
+    parsed."""
     try:
-        if kubeconfig is not None:
-            config = KubeConfig.from_file(str(kubeconfig))
-            return AsyncClient(config=config.get(context_name=context))
-        if context is not None:
-            return AsyncClient(config=KubeConfig.from_env().get(context_name=context))
-        return AsyncClient()
+        found = (
+            KubeConfig.from_file(str(kubeconfig))
+            if kubeconfig is not None
+            else KubeConfig.from_env()
+        ).get(context_name=context)
     except ConfigError as e:
         raise ConfigError(" ".join(str(e).split())) from None
-    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as e:
         # a missing or unreadable file, YAML that does not parse, a kubeconfig of another shape
         raise ConfigError(" ".join(str(e).split()) or type(e).__name__) from None
+    if found is None:
+        raise ConfigError("the kubeconfig names no current context")
+    return found
+
+
+def client(kubeconfig: Path | None = None, context: str | None = None) -> AsyncClient:
+    """A read-only use of the cluster configured by :func:`discover` (raises as it does)."""
+    return AsyncClient(config=discover(kubeconfig, context))
 
 
 async def read_snapshot(kube: AsyncClient, namespace: str | None = None) -> Snapshot:
