@@ -265,6 +265,7 @@ echo "bwrap=$(bwrap --version)"
 echo "mkfs=$(mkfs.ext4 -V 2>&1 | head -n1)"
 echo "busybox=$(busybox | head -n1 | cut -d' ' -f1-2)"
 echo "initrd=$(ls /boot | grep -c initrd || true)"
+echo "cosign=$(cosign version 2>&1 | grep '^GitVersion' | tr -s ' ' | cut -d' ' -f2)"
 python -c 'from impvm.agent.qemu_guest import find_kernel, module_order
 k = find_kernel(need_shares=False)
 print("kernel=" + k.version, len(module_order(k)))'
@@ -310,6 +311,7 @@ async def test_agent_image_holds_the_runtime_tools_and_a_guest_kernel(
     assert out["mkfs"].startswith("mke2fs 1.47")
     assert out["busybox"].startswith("BusyBox v1.35")
     assert out["initrd"] == "0"  # the agent builds its own guest initramfs
+    assert out["cosign"] == "v2.6.5"  # templates with spec.verify work on the chart's agents
     version, modules = out["kernel"].split()
     assert version.endswith("-cloud-amd64") and int(modules) > 0
     assert out["help"] == "1"

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from impvm.agent.tools import run_tool
 from impvm.images.spec import (
+    COSIGN_PATH,
     IMAGES,
     MMDEBSTRAP_OPTIONS,
     PYTHON_SITE,
@@ -130,6 +131,8 @@ class BuildOptions:
     #: with ``use_cache=False``: still take Debian roots already in the layout
     reuse_roots: bool = False
     project_root: Path = PROJECT_ROOT
+    #: the cosign binary for the agent image (default: the pinned build, made when missing)
+    cosign: Path | None = None
     log: Callable[[str], None] = field(
         default=lambda line: print(f"images: {line}", file=sys.stderr, flush=True)
     )
@@ -473,6 +476,13 @@ class Builder:
                 (work / "app.size").write_text(str(size))
             key = await asyncio.to_thread(sha256_file, tar)
             return layer, key, tar, int((work / "app.size").read_text())
+        if layer == "cosign":
+            tar = work / "cosign.tar"
+            if not tar.exists():
+                size = await self._cosign_layer(work, tar)
+                (work / "cosign.size").write_text(str(size))
+            key = await asyncio.to_thread(sha256_file, tar)
+            return layer, key, tar, int((work / "cosign.size").read_text())
         if layer == "runner":
             tar = work / "runner.tar"
             if not tar.exists():
@@ -778,6 +788,30 @@ class Builder:
             "/",
             str(site / "impvm"),
         )
+        return await asyncio.to_thread(write_tree_tar, stage, out, lock.debian.source_date_epoch)
+
+    # ------------------------------------------------------------------ cosign layer
+
+    async def _cosign_layer(self, work: Path, out: Path) -> int:
+        """``COSIGN_PATH`` (root, 0755) from ``opts.cosign`` or the pinned build; returns the
+        layer's unpacked size."""
+        from impvm.devstack.signing import SigningError, cosign_binary
+
+        binary = self.opts.cosign
+        if binary is None:
+            try:
+                binary = await asyncio.to_thread(cosign_binary)
+            except SigningError as e:
+                raise ImageBuildError(f"the agent image needs cosign: {e}") from None
+        if not binary.is_file():
+            raise ImageBuildError(f"cosign: {binary}: no such file")
+        stage = work / "cosign"
+        dest = stage / COSIGN_PATH.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(shutil.copyfile, binary, dest)
+        dest.chmod(0o755)
+        self.log(f"impvm-agent: cosign {binary} (sha256 {sha256_file(dest)})")
+        lock = self._lock()
         return await asyncio.to_thread(write_tree_tar, stage, out, lock.debian.source_date_epoch)
 
     # ------------------------------------------------------------------ runner layer

@@ -80,6 +80,10 @@ def build(
         bool,
         typer.Option(help="Runner layer with the GitHub stand-in's runner (tests/development)."),
     ] = False,
+    cosign: Annotated[
+        Path | None,
+        typer.Option(help="cosign binary for the agent image (default: the pinned build)."),
+    ] = None,
     update_lock: Annotated[
         bool, typer.Option(help="Record new Debian package versions and wheels in the lock.")
     ] = False,
@@ -108,6 +112,7 @@ def build(
         images=tuple(images or [s.name for s in IMAGES]),
         update_lock=update_lock,
         use_cache=not no_cache,
+        cosign=cosign,
     )
     try:
         shipped = asyncio.run(_build_and_ship(opts, out, push, repo_prefix, insecure_registry))

@@ -15,8 +15,11 @@ Images (OCI, linux/amd64):
   ``/opt/impvm`` (one layer), then the impvm package itself (a second, small layer, so a code
   change rebuilds only that). Runs as the non-root user ``impvm`` (uid/gid 10000).
 * ``impvm-agent``: like ``impvm`` plus qemu, skopeo, umoci, e2fsprogs, bubblewrap, busybox (the
-  guest initramfs) and a Debian guest kernel; runs as root (the agent unpacks images with their
-  owners and opens ``/dev/kvm`` and ``/dev/net/tun``); the impvm layer is the same blob.
+  guest initramfs) and a Debian guest kernel, then ``/usr/local/bin/cosign`` (sigstore's CLI at
+  the version ``impvm.devstack``'s build script pins, built from its Go module: Debian has no
+  cosign package, and the agent verifies signed images with it); runs as root (the agent unpacks
+  images with their owners and opens ``/dev/kvm`` and ``/dev/net/tun``); the impvm layer is the
+  same blob.
 
 The lock (``images/lock.json`` in the repository) records the Debian sources, suite and every
 package version installed in each Debian root, the wheels (file name and sha256, versions from
@@ -42,6 +45,8 @@ VENV = "/opt/impvm"
 PYTHON_SITE = f"{VENV}/lib/python3.11/site-packages"
 RUNNER_HOME = "/home/runner/actions-runner"
 RUNNER_WRAPPER = "/usr/local/bin/runner"
+#: Where the agent image has cosign (on ``PATH``: ``impvm agent --cosign`` defaults to it).
+COSIGN_PATH = "/usr/local/bin/cosign"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Bump when the build recipe changes in a way the lock does not show (it is part of every key).
 RECIPE_VERSION = "1"
@@ -242,7 +247,7 @@ IMAGES: tuple[ImageSpec, ...] = (
     ),
     ImageSpec(
         "impvm-agent",
-        ("root:impvm-agent-base", "app"),
+        ("root:impvm-agent-base", "cosign", "app"),
         user="0:0",
         entrypoint=(f"{VENV}/bin/impvm",),
         cmd=("agent",),
