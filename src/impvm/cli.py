@@ -323,11 +323,15 @@ def status(
         typer.echo(f"impvm status: no usable kubeconfig: {e}", err=True)
         raise typer.Exit(code=2) from None
 
+    console = Console()
+    if not console.is_terminal:  # piped: long lines, like kubectl, not wrapped at 80 columns
+        console = Console(width=240)
+
     async def main() -> int:
         try:
             return await run(
                 kube,
-                Console(),
+                console,
                 namespace=namespace,
                 output=output,
                 watch=watch,
