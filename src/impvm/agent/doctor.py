@@ -171,7 +171,8 @@ def guest_kernel(path: Path | None) -> Check:
             "guest kernel",
             False,
             str(e)[:300],
-            "apt-get install linux-image-amd64, or pass --qemu-kernel",
+            "apt-get install linux-image-amd64, or name a kernel: impvm agent --qemu-kernel "
+            "PATH (impvm up: agent.qemuKernel)",
         )
     return Check("guest kernel", True, str(k.path))
 

@@ -117,10 +117,7 @@ def find_kernel(path: Path | None = None, need_shares: bool = True) -> Kernel:
             continue
         return k
     detail = "; ".join(problems) or "no /boot/vmlinuz-*"
-    raise GuestAssetError(
-        f"no usable guest kernel ({detail}); install Debian's linux-image-amd64 "
-        "or pass --qemu-kernel"
-    )
+    raise GuestAssetError(f"no usable guest kernel ({detail})")
 
 
 def module_order(kernel: Kernel, names: tuple[str, ...] = GUEST_MODULES) -> list[str]:
