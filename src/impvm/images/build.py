@@ -469,27 +469,13 @@ class Builder:
             tag = await self._root(layer.removeprefix("root:"), work)
             self._layer_keys[layer] = tag
             return layer, tag, None, int(str(self._meta(tag).get("unpacked_bytes", 0)))
-        if layer == "app":
-            tar = work / "app.tar"
-            if not tar.exists():
-                size = await self._app_layer(work, tar)
-                (work / "app.size").write_text(str(size))
+        make = {"app": self._app_layer, "cosign": self._cosign_layer, "runner": self._runner_layer}
+        if layer in make:
+            tar, size_file = work / f"{layer}.tar", work / f"{layer}.size"
+            if not tar.exists():  # each layer once per build, however many images share it
+                size_file.write_text(str(await make[layer](work, tar)))
             key = await asyncio.to_thread(sha256_file, tar)
-            return layer, key, tar, int((work / "app.size").read_text())
-        if layer == "cosign":
-            tar = work / "cosign.tar"
-            if not tar.exists():
-                size = await self._cosign_layer(work, tar)
-                (work / "cosign.size").write_text(str(size))
-            key = await asyncio.to_thread(sha256_file, tar)
-            return layer, key, tar, int((work / "cosign.size").read_text())
-        if layer == "runner":
-            tar = work / "runner.tar"
-            if not tar.exists():
-                size = await self._runner_layer(work, tar)
-                (work / "runner.size").write_text(str(size))
-            key = await asyncio.to_thread(sha256_file, tar)
-            return layer, key, tar, int((work / "runner.size").read_text())
+            return layer, key, tar, int(size_file.read_text())
         raise ImageBuildError(f"unknown layer {layer!r}")
 
     # ------------------------------------------------------------------ Debian roots
