@@ -633,7 +633,11 @@ async def create_qemu_runtime(
             if why:
                 log.info("guest kernel boots from its bzImage: %s", why)
         initramfs = await build_initramfs(
-            k, state_dir / "guest", init=guest.init, applets=guest.applets
+            k,
+            state_dir / "guest",
+            init=guest.init,
+            applets=guest.applets,
+            unsigned_modules=guest.unsigned_modules,
         )
         choice = await _choose_accelerator(qemu, k, initramfs, accelerator, guest, state_dir)
         if choice is None:  # the PVH image booted nowhere: the bzImage

@@ -8,14 +8,16 @@ only without shares).
 
 Boot image: the kernel's own ELF ``vmlinux`` taken out of the bzImage (:func:`pvh_image`), so
 QEMU starts it at its PVH entry point (the Xen ``PHYS32_ENTRY`` ELF note Debian's kernels carry,
-``CONFIG_PVH``) and the guest skips the bzImage's real-mode setup and decompressor - under TCG the
-decompression of a 14-66 MB kernel is a large part of the boot (QEMU's microvm docs: "PVH boot").
-A kernel without the note boots from its bzImage. PVH entry bypasses the decompressor's KASLR: a
-guest kernel runs at its link address, which protects nothing here (one job per VM, the VM is the
-isolation boundary).
+``CONFIG_PVH``; QEMU's x86 loader takes such an ELF for ``-kernel``) and the guest skips the
+bzImage's real-mode setup and decompressor: under TCG, unpacking 53-66 MB of kernel took about
+0.5 s of every boot. A kernel without the note boots from its bzImage. PVH entry bypasses the
+decompressor's KASLR, so the guest kernel runs at its link address: that only spares the job
+itself work in attacking its own guest kernel, and root in a single-use VM gives it nothing the
+VM boundary does not already confine.
 
-Kernel command line (:data:`FAST_BOOT_ARGS`): no crypto self-tests, no IO-APIC timer check, and
-two initcalls a runner never uses (kernel/trace ``kprobe_events``, the SP800-108 KDF self-test).
+Kernel command line (:data:`FAST_BOOT_ARGS`): no crypto self-tests, no IO-APIC timer check, lock
+prefixes left in place, and two initcalls a runner never uses (kernel/trace ``kprobe_events``, the
+SP800-108 KDF self-test).
 
 Initramfs (uncompressed ``newc`` cpio, written by :func:`build_initramfs`, cached by content):
 
@@ -23,7 +25,11 @@ Initramfs (uncompressed ``newc`` cpio, written by :func:`build_initramfs`, cache
   (:data:`GUEST_APPLETS`; every applet on request: the kernel unpacks each entry at every boot);
 * ``/init``: the guest init (``impvm/agent/assets/guest/init``, see its header);
 * ``/lib/modules/<path>.ko`` for :data:`GUEST_MODULES` and their dependencies (from the kernel's
-  ``modules.dep``; built-in ones from ``modules.builtin`` are skipped), ``/etc/imp/modules``, the
+  ``modules.dep``; built-in ones from ``modules.builtin`` are skipped) without their appended
+  signatures when the kernel does not require them (``CONFIG_MODULE_SIG_FORCE`` unset in its
+  ``/boot/config-<version>``): the guest would check, for every module at every boot, an RSA
+  signature of a file the agent itself put there - under TCG a good part of loading a module -
+  and loads an unsigned one all the same (taint flag ``E``); ``/etc/imp/modules``, the
   load order (dependencies first), and ``/etc/imp/modules-pci``, the ones only a machine with a
   PCI bus needs (q35; microvm has none, its init skips them).
 
@@ -94,10 +100,14 @@ GUEST_APPLETS = (
 #: Kernel arguments that shorten the guest's boot (kernel-parameters.rst): no crypto self-tests at
 #: algorithm registration (``cryptomgr.notests``; FIPS mode ignores it), no check that the timer
 #: interrupt arrives through the IO-APIC (``no_timer_check``: a busy-wait of 10 ticks; QEMU's
-#: IO-APIC delivers it), and no initcalls for kprobe trace events and the SP800-108 KDF self-test.
+#: IO-APIC delivers it), lock prefixes left in place on a one-CPU guest (``noreplace-smp``:
+#: patching out thousands of them instruction by instruction is slow under TCG, and an
+#: uncontended lock prefix costs next to nothing), and no initcalls for kprobe trace events and
+#: the SP800-108 KDF self-test.
 FAST_BOOT_ARGS = (
     "cryptomgr.notests",
     "no_timer_check",
+    "noreplace-smp",
     "initcall_blacklist=init_kprobe_trace,crypto_kdf108_init",
 )
 
@@ -218,13 +228,40 @@ class GuestBoot:
     """How the guest boots: ``pvh`` (boot the kernel's ELF image at its PVH entry,
     :func:`pvh_image`), ``kernel_args`` (beyond console and panic; :data:`FAST_BOOT_ARGS`),
     ``init`` (the ``/init`` script; ``None``: the packaged one), ``applets`` (busybox applets
-    linked in the initramfs; ``None``: all). The defaults are the agent's; the boot benchmark
+    linked in the initramfs; ``None``: all), ``unsigned_modules`` (modules without their
+    signatures when the kernel allows it). The defaults are the agent's; the boot benchmark
     also boots the configuration before these trims."""
 
     pvh: bool = True
     kernel_args: tuple[str, ...] = FAST_BOOT_ARGS
     init: bytes | None = None
     applets: tuple[str, ...] | None = field(default=GUEST_APPLETS)
+    unsigned_modules: bool = True
+
+
+_SIG_MAGIC = b"~Module signature appended~\n"
+
+
+def module_signatures_required(kernel: Kernel) -> bool:
+    """Whether ``kernel`` refuses unsigned modules: ``CONFIG_MODULE_SIG_FORCE=y`` in its
+    ``config-<version>`` beside the image, or no such file (then assumed)."""
+    cfg = kernel.path.parent / f"config-{kernel.version}"
+    try:
+        text = cfg.read_text(errors="replace")
+    except OSError:
+        return True
+    return "\nCONFIG_MODULE_SIG_FORCE=y" in f"\n{text}"
+
+
+def unsigned_module(ko: bytes) -> bytes:
+    """``ko`` without the signature ``sign-file`` appends (the signature, a 12-byte
+    ``struct module_signature`` ending in its big-endian length, then the magic string;
+    module-signing.rst); unchanged when it has none."""
+    if not ko.endswith(_SIG_MAGIC) or len(ko) < len(_SIG_MAGIC) + 12:
+        return ko
+    (sig_len,) = struct.unpack_from(">I", ko, len(ko) - len(_SIG_MAGIC) - 4)
+    end = len(ko) - len(_SIG_MAGIC) - 12 - sig_len
+    return ko[:end] if end > 0 else ko
 
 
 _XEN_ELFNOTE_PHYS32_ENTRY = 18
@@ -390,7 +427,9 @@ class _Cpio:
         return b"".join(self.parts)
 
 
-def _initramfs_bytes(kernel: Kernel, busybox: Path, applets: list[str], init: bytes) -> bytes:
+def _initramfs_bytes(
+    kernel: Kernel, busybox: Path, applets: list[str], init: bytes, unsigned: bool
+) -> bytes:
     order = module_order(kernel)
     cpio = _Cpio()
     dirs = {"bin", "sbin", "dev", "proc", "sys", "etc", "etc/imp", "mnt", "newroot", "lib"}
@@ -407,7 +446,9 @@ def _initramfs_bytes(kernel: Kernel, busybox: Path, applets: list[str], init: by
             cpio.add(f"bin/{a}", stat.S_IFLNK | 0o777, b"busybox")
     cpio.add("init", stat.S_IFREG | 0o755, init)
     for rel in order:
-        cpio.add(f"lib/modules/{rel}", stat.S_IFREG | 0o644, (kernel.modules / rel).read_bytes())
+        ko = (kernel.modules / rel).read_bytes()
+        data = unsigned_module(ko) if unsigned else ko
+        cpio.add(f"lib/modules/{rel}", stat.S_IFREG | 0o644, data)
     cpio.add("etc/imp/modules", stat.S_IFREG | 0o644, "".join(f"{r}\n" for r in order).encode())
     pci = "".join(f"{r}\n" for r in pci_only_modules(kernel)).encode()
     cpio.add("etc/imp/modules-pci", stat.S_IFREG | 0o644, pci)
@@ -421,13 +462,15 @@ async def build_initramfs(
     *,
     init: bytes | None = None,
     applets: Sequence[str] | None = GUEST_APPLETS,
+    unsigned_modules: bool = True,
 ) -> Path:
     """Build (or reuse) the guest initramfs for ``kernel`` under ``cache_dir``; returns its path
     (``initramfs-<sha256 prefix>.cpio``, mode 0644, read only by QEMU). ``init``: the ``/init``
     script (default :func:`init_script`); ``applets``: the busybox applets to link (``None``:
-    all). The key covers the init script, busybox, the applets, the kernel version and the
-    module list. Raises :class:`GuestAssetError` when busybox or a module cannot be read, or
-    busybox lacks an applet."""
+    all); ``unsigned_modules``: drop module signatures unless the kernel requires them
+    (:func:`module_signatures_required`). The key covers all of these, busybox, the kernel
+    version and the module list. Raises :class:`GuestAssetError` when busybox or a module
+    cannot be read, or busybox lacks an applet."""
     init = init_script() if init is None else init
     if not await asyncio.to_thread(busybox.is_file):
         raise GuestAssetError(f"{busybox} missing (Debian package busybox-static)")
@@ -451,13 +494,14 @@ async def build_initramfs(
     h = hashlib.sha256()
     for part in (init, kernel.version.encode(), str(module_order(kernel)).encode()):
         h.update(part + b"\0")
-    h.update(f"{st.st_size}:{st.st_mtime_ns}:{links}".encode())
+    unsigned = unsigned_modules and not module_signatures_required(kernel)
+    h.update(f"{st.st_size}:{st.st_mtime_ns}:{links}:{unsigned}".encode())
     dest = cache_dir / f"initramfs-{h.hexdigest()[:16]}.cpio"
     if await asyncio.to_thread(dest.is_file):
         return dest
     try:
         await asyncio.to_thread(cache_dir.mkdir, parents=True, exist_ok=True)
-        data = await asyncio.to_thread(_initramfs_bytes, kernel, busybox, links, init)
+        data = await asyncio.to_thread(_initramfs_bytes, kernel, busybox, links, init, unsigned)
         tmp = cache_dir / f".{dest.name}.{uuid.uuid4().hex}"
         await asyncio.to_thread(tmp.write_bytes, data)
         os.chmod(tmp, 0o644)
