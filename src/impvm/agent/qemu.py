@@ -1,8 +1,9 @@
 """The ``qemu`` runtime: each VM is a QEMU (``qemu-system-x86_64``, Debian ``qemu-system-x86``)
-virtual machine booting a kernel configured on the agent with the guest initramfs
-(:mod:`impvm.agent.qemu_guest`), on the accelerator/machine chosen at agent start by a real probe
-boot (:mod:`impvm.agent.qemu_accel`: KVM when it really boots, else TCG; ``microvm``, else
-``q35``).
+virtual machine booting a kernel configured on the agent - its PVH image when it has one - with
+the guest initramfs and the boot's kernel arguments (:mod:`impvm.agent.qemu_guest`,
+:class:`~impvm.agent.qemu_guest.GuestBoot`), on the accelerator/machine chosen at agent start by a
+real probe boot (:mod:`impvm.agent.qemu_accel`: KVM when it really boots, else TCG; ``microvm``,
+else ``q35``).
 
 Disks (a VM never writes to the shared image):
 
@@ -10,9 +11,9 @@ Disks (a VM never writes to the shared image):
   :attr:`PreparedImage.rootfs`, mode 0444), kept in the image's cache entry
   (:meth:`ImageStore.derived`) so the cache's size cap counts it and eviction removes it, attached
   ``readonly=on`` to every VM of that image - QEMU refuses writes, whatever the guest does;
-* scratch disk (serial ``imp-scratch``): a per-VM sparse ext4 file of ``disk_gib`` GiB in the
-  VM's workdir, the upper layer of the guest's overlayfs root; deleted by :meth:`cleanup`. So a
-  file one VM writes is seen by no other VM and no later VM.
+* scratch disk (serial ``imp-scratch``): a per-VM sparse ext4 file (no journal) of ``disk_gib``
+  GiB in the VM's workdir, the upper layer of the guest's overlayfs root; deleted by
+  :meth:`cleanup`. So a file one VM writes is seen by no other VM and no later VM.
 
 Host shares (``extra_ro_binds``, development only): 9p exports with ``readonly=on`` mounted at the
 same path in the guest (a host symlink is reproduced as a symlink), like the process runtime's
