@@ -16,8 +16,7 @@ itself work in attacking its own guest kernel, and root in a single-use VM gives
 VM boundary does not already confine.
 
 Kernel command line (:data:`FAST_BOOT_ARGS`): no crypto self-tests, no IO-APIC timer check, lock
-prefixes left in place, and two initcalls a runner never uses (kernel/trace ``kprobe_events``, the
-SP800-108 KDF self-test).
+prefixes left in place.
 
 Initramfs (uncompressed ``newc`` cpio, written by :func:`build_initramfs`, cached by content):
 
@@ -98,18 +97,13 @@ GUEST_APPLETS = (
 )
 
 #: Kernel arguments that shorten the guest's boot (kernel-parameters.rst): no crypto self-tests at
-#: algorithm registration (``cryptomgr.notests``; FIPS mode ignores it), no check that the timer
-#: interrupt arrives through the IO-APIC (``no_timer_check``: a busy-wait of 10 ticks; QEMU's
-#: IO-APIC delivers it), lock prefixes left in place on a one-CPU guest (``noreplace-smp``:
-#: patching out thousands of them instruction by instruction is slow under TCG, and an
-#: uncontended lock prefix costs next to nothing), and no initcalls for kprobe trace events and
-#: the SP800-108 KDF self-test.
-FAST_BOOT_ARGS = (
-    "cryptomgr.notests",
-    "no_timer_check",
-    "noreplace-smp",
-    "initcall_blacklist=init_kprobe_trace,crypto_kdf108_init",
-)
+#: algorithm registration (``cryptomgr.notests``; FIPS mode ignores it; they were 70 % of the
+#: instruction-counted time to ``/init``, QEMU ``-icount``), no check that the timer interrupt
+#: arrives through the IO-APIC (``no_timer_check``: a busy-wait of 10 ticks; QEMU delivers it),
+#: and lock prefixes left in place on a one-CPU guest (``noreplace-smp``: patching out thousands
+#: of them one by one flushed QEMU's TLB 35,000 times per boot; an uncontended lock prefix costs
+#: next to nothing).
+FAST_BOOT_ARGS = ("cryptomgr.notests", "no_timer_check", "noreplace-smp")
 
 
 class GuestAssetError(Exception):
