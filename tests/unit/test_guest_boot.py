@@ -195,3 +195,30 @@ def test_pvh_image_reports_a_kernel_it_cannot_read(tmp_path: Path) -> None:
     k = Kernel(tmp_path / "missing", "0", tmp_path)
     with pytest.raises(GuestAssetError, match="reading the guest kernel failed"):
         asyncio.run(pvh_image(k, tmp_path))
+
+
+async def test_a_pvh_image_that_boots_nowhere_is_dropped_for_the_bzimage(tmp_path: Path) -> None:
+    """A QEMU that cannot start the kernel's ELF image (a stand-in for the qemu binary: it boots
+    only a bzImage) leaves the runtime on the bzImage, after probing both machines."""
+    from impvm.agent.images import ImageStore
+    from impvm.agent.qemu import create_qemu_runtime
+
+    log = tmp_path / "probes"
+    qemu = tmp_path / "qemu-system-x86_64"
+    qemu.write_text(
+        "#!/bin/sh\n"
+        'k=; m=; while [ $# -gt 0 ]; do case "$1" in -kernel) k=$2 ;; -machine) m=$2 ;; esac; '
+        "shift; done\n"
+        f'echo "$m ${{k##*/}}" >>{log}\n'
+        'case "${k##*/}" in vmlinux-*) echo "cannot boot $k"; exit 1 ;; esac\n'
+        'echo "IMPVM-PROBE-OK fake"\n'
+    )
+    qemu.chmod(0o755)
+    store = ImageStore(tmp_path / "cache", 1 << 20, set())
+    rt = await create_qemu_runtime(store, tmp_path / "state", accelerator="tcg", qemu=str(qemu))
+    assert rt.kernel.pvh is None and rt.kernel.boot_image == rt.kernel.path
+    assert rt.accel.machine == "microvm"
+    probes = log.read_text().split("\n")
+    assert [p.split()[0] for p in probes[:3]] == ["microvm", "q35", "microvm"], probes
+    assert probes[0].split()[1].startswith("vmlinux-")
+    assert probes[2].split()[1] == rt.kernel.path.name
