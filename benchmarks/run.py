@@ -82,6 +82,7 @@ def parse_webhook(out: str, argv: list[str]) -> list[Row]:
 
 BOOT_RE = re.compile(r"^(\w+): boot-to-runner-start median ([\d.]+)s over (\d+) runs", re.M)
 ACCEL_RE = re.compile(r"^qemu: kernel \S+, (\w+)", re.M)
+BOOT_CPU_RE = re.compile(r"^(\w+): to init median [\d.]+s, .*QEMU CPU median ([\d.]+)s", re.M)
 
 
 def parse_boot(out: str, argv: list[str]) -> list[Row]:
@@ -89,16 +90,29 @@ def parse_boot(out: str, argv: list[str]) -> list[Row]:
     if "qemu" not in med:
         return []
     accel = ACCEL_RE.search(out)
-    return [
+    cpu = {m.group(1): float(m.group(2)) for m in BOOT_CPU_RE.finditer(out)}
+    rows = [
         Row(
             "qemu_boot",
             f"boot to runner start, qemu ({accel.group(1) if accel else '?'})",
             f"median {med['qemu']:.2f} s",
-            f"process runtime {med.get('process', 0):.2f} s",
-            _ratio(med["qemu"], med.get("process", 0)),
-            "<= 1.5 s under TCG",
+            f"boot before the trims {med.get('baseline', 0):.2f} s",
+            _ratio(med["qemu"], med.get("baseline", 0)),
+            "<= 1.5 s under TCG (0.6x of 2.5 s)",
         )
     ]
+    if "qemu" in cpu:
+        rows.append(
+            Row(
+                "qemu_boot",
+                "QEMU CPU to runner start",
+                f"median {cpu['qemu']:.2f} s",
+                f"boot before the trims {cpu.get('baseline', 0):.2f} s",
+                _ratio(cpu["qemu"], cpu.get("baseline", 0)),
+                "",
+            )
+        )
+    return rows
 
 
 def _fleet_goal(r: dict[str, Any], what: str) -> str:

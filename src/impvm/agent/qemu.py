@@ -1,8 +1,9 @@
 """The ``qemu`` runtime: each VM is a QEMU (``qemu-system-x86_64``, Debian ``qemu-system-x86``)
-virtual machine booting a kernel configured on the agent with the guest initramfs
-(:mod:`impvm.agent.qemu_guest`), on the accelerator/machine chosen at agent start by a real probe
-boot (:mod:`impvm.agent.qemu_accel`: KVM when it really boots, else TCG; ``microvm``, else
-``q35``).
+virtual machine booting a kernel configured on the agent - its PVH image when it has one - with
+the guest initramfs and the boot's kernel arguments (:mod:`impvm.agent.qemu_guest`,
+:class:`~impvm.agent.qemu_guest.GuestBoot`), on the accelerator/machine chosen at agent start by a
+real probe boot (:mod:`impvm.agent.qemu_accel`: KVM when it really boots, else TCG; ``microvm``,
+else ``q35``).
 
 Disks (a VM never writes to the shared image):
 
@@ -10,9 +11,9 @@ Disks (a VM never writes to the shared image):
   :attr:`PreparedImage.rootfs`, mode 0444), kept in the image's cache entry
   (:meth:`ImageStore.derived`) so the cache's size cap counts it and eviction removes it, attached
   ``readonly=on`` to every VM of that image - QEMU refuses writes, whatever the guest does;
-* scratch disk (serial ``imp-scratch``): a per-VM sparse ext4 file of ``disk_gib`` GiB in the
-  VM's workdir, the upper layer of the guest's overlayfs root; deleted by :meth:`cleanup`. So a
-  file one VM writes is seen by no other VM and no later VM.
+* scratch disk (serial ``imp-scratch``): a per-VM sparse ext4 file (no journal) of ``disk_gib``
+  GiB in the VM's workdir, the upper layer of the guest's overlayfs root; deleted by
+  :meth:`cleanup`. So a file one VM writes is seen by no other VM and no later VM.
 
 Host shares (``extra_ro_binds``, development only): 9p exports with ``readonly=on`` mounted at the
 same path in the guest (a host symlink is reproduced as a symlink), like the process runtime's
@@ -65,12 +66,14 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -84,11 +87,21 @@ from impvm.agent.qemu_accel import (
     kernel_args,
     machine_args,
 )
-from impvm.agent.qemu_guest import GuestAssetError, Kernel, build_initramfs, find_kernel
+from impvm.agent.qemu_guest import (
+    FAST_BOOT_ARGS,
+    GuestAssetError,
+    GuestBoot,
+    Kernel,
+    build_initramfs,
+    find_kernel,
+    pvh_image,
+)
 from impvm.agent.runtime import ImageError, Secret, VMRequest, VMRuntimeError
 from impvm.agent.runtime_base import CONSOLE_LOG, LaunchedVM, RuntimeBase, guest_hostname
 from impvm.agent.survivor import AdoptedProcess, ProcessIdentity, SecretPrint, identity_of
 from impvm.agent.tools import run_tool
+
+log = logging.getLogger("impvm.agent.qemu")
 
 _STATUS = "status.log"
 _CONTROL = "control.sock"
@@ -190,8 +203,10 @@ def scope_prefix(vm_id: str) -> list[str]:
 class QemuRuntime(RuntimeBase[LaunchedVM]):
     """:class:`impvm.agent.runtime.Runtime` booting each VM in QEMU (see module docstring).
 
-    ``store``: the image cache (it also keeps the image disks); ``kernel``: the guest kernel;
-    ``initramfs``: the guest initramfs built for it
+    ``store``: the image cache (it also keeps the image disks); ``kernel``: the guest kernel
+    (QEMU boots :attr:`Kernel.boot_image`); ``boot_args``: kernel arguments beyond console and
+    panic (:data:`impvm.agent.qemu_guest.FAST_BOOT_ARGS`); ``initramfs``: the guest initramfs
+    built for it
     (:func:`impvm.agent.qemu_guest.build_initramfs`); ``accel``: the probed accelerator and machine
     (:func:`impvm.agent.qemu_accel.detect_accelerator`); ``state_dir``: agent-owned directory of
     the runtime (guest assets); ``extra_ro_binds``: host paths shared read-only at the same path;
@@ -218,8 +233,10 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
         tail_lines: int = 40,
         network: NodeNetwork | None = None,
         systemd_scope: bool | None = None,
+        boot_args: Sequence[str] = FAST_BOOT_ARGS,
     ) -> None:
         super().__init__(store, auth_file=auth_file, tail_lines=tail_lines, network=network)
+        self.boot_args = tuple(boot_args)
         self.systemd_scope = systemd_scope_available() if systemd_scope is None else systemd_scope
         self.kernel = kernel
         self.initramfs = initramfs
@@ -313,7 +330,13 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             machine = "q35"
         sfx = "device" if machine == "microvm" else "pci"
         append = " ".join(
-            ["console=ttyS0", "panic=-1", "loglevel=4", *kernel_args(self.accel.accel, machine)]
+            [
+                "console=ttyS0",
+                "panic=-1",
+                "loglevel=4",
+                *kernel_args(self.accel.accel, machine),
+                *self.boot_args,
+            ]
         )
         args = [
             self.qemu,
@@ -323,7 +346,7 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             "-pidfile",
             str(wd / _PIDFILE),
             "-kernel",
-            str(self.kernel.path),
+            str(self.kernel.boot_image),
             "-initrd",
             str(self.initramfs),
             "-append",
@@ -394,8 +417,12 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             "-F",
             "-L",
             "imp-scratch",
+            # no journal: the disk dies with the VM, so there is nothing to recover after a
+            # crash, and the guest mounts it without starting a journal thread
+            "-O",
+            "^has_journal",
             "-E",
-            "lazy_itable_init=1,lazy_journal_init=1",
+            "lazy_itable_init=1",
             str(wd / _SCRATCH),
             f"{max(req.disk_gib, 1)}G",
         )
@@ -591,24 +618,39 @@ async def create_qemu_runtime(
     auth_file: Path | None = None,
     qemu: str = "qemu-system-x86_64",
     network: NodeNetwork | None = None,
+    guest: GuestBoot | None = None,
 ) -> QemuRuntime:
     """Set up the ``qemu`` runtime at agent start: find the kernel (``kernel`` or the newest
-    usable ``/boot/vmlinuz-*``), build/reuse the guest initramfs under ``state_dir``, probe the
+    usable ``/boot/vmlinuz-*``), take out its PVH image and build/reuse the guest initramfs
+    under ``state_dir`` (``guest``: how the guest boots, default :class:`GuestBoot`), probe the
     accelerator and machine with real boots - once per machine boot and set of binaries: a
     restarted agent (an upgrade, a crash) reuses the choice, so it is back within seconds,
-    before its Lease expires and its running VMs count as lost. Raises :class:`VMRuntimeError`
-    when QEMU is missing or nothing boots (the message names each attempt)."""
+    before its Lease expires and its running VMs count as lost. A PVH image that boots on no
+    machine is dropped for the bzImage. Raises :class:`VMRuntimeError` when QEMU is missing or
+    nothing boots (the message names each attempt)."""
     if shutil.which(qemu) is None:
         raise VMRuntimeError(f"{qemu} not found (Debian package qemu-system-x86)")
+    guest = guest or GuestBoot()
     try:
         k = find_kernel(kernel, need_shares=any(p.is_dir() for p in extra_ro_binds))
-        initramfs = await build_initramfs(k, state_dir / "guest")
-        key = _probe_key(qemu, k.path, initramfs, accelerator)
-        cache = state_dir / "accelerator.json"
-        choice = await asyncio.to_thread(_cached_choice, cache, key)
-        if choice is None:
-            choice = await detect_accelerator(qemu, k.path, initramfs, prefer=accelerator)
-            await asyncio.to_thread(_write_choice, cache, key, choice)
+        if guest.pvh:
+            k, why = await pvh_image(k, state_dir / "guest")
+            if why:
+                log.info("guest kernel boots from its bzImage: %s", why)
+        initramfs = await build_initramfs(
+            k,
+            state_dir / "guest",
+            init=guest.init,
+            applets=guest.applets,
+            unsigned_modules=guest.unsigned_modules,
+        )
+        choice = await _choose_accelerator(qemu, k, initramfs, accelerator, guest, state_dir)
+        if choice is None:  # the PVH image booted nowhere: the bzImage
+            log.warning("guest kernel %s does not boot at its PVH entry; bzImage", k.path)
+            k = replace(k, pvh=None)
+            choice = await _choose_accelerator(qemu, k, initramfs, accelerator, guest, state_dir)
+        if choice is None:  # not reached: a bzImage that boots nowhere raises
+            raise AcceleratorError(f"{k.path} boots on no machine")
     except (GuestAssetError, AcceleratorError) as exc:
         raise VMRuntimeError(str(exc)) from None
     return QemuRuntime(
@@ -621,7 +663,37 @@ async def create_qemu_runtime(
         auth_file=auth_file,
         qemu=qemu,
         network=network,
+        boot_args=guest.kernel_args,
     )
+
+
+async def _choose_accelerator(
+    qemu: str,
+    kernel: Kernel,
+    initramfs: Path,
+    accelerator: Literal["auto", "kvm", "tcg"],
+    guest: GuestBoot,
+    state_dir: Path,
+) -> AccelChoice | None:
+    """The probed accelerator and machine for booting ``kernel.boot_image`` (cached in
+    ``state_dir/accelerator.json`` per machine boot and set of binaries); ``None`` when a PVH
+    image boots nowhere (the caller retries with the bzImage). Raises
+    :class:`AcceleratorError` when a bzImage boots nowhere."""
+    image = kernel.boot_image
+    key = _probe_key(qemu, image, initramfs, f"{accelerator} {' '.join(guest.kernel_args)}")
+    cache = state_dir / "accelerator.json"
+    choice = await asyncio.to_thread(_cached_choice, cache, key)
+    if choice is None:
+        try:
+            choice = await detect_accelerator(
+                qemu, image, initramfs, prefer=accelerator, extra_args=guest.kernel_args
+            )
+        except AcceleratorError:
+            if kernel.pvh is None:
+                raise
+            return None
+        await asyncio.to_thread(_write_choice, cache, key, choice)
+    return choice
 
 
 __all__ = ["QemuRuntime", "create_qemu_runtime", "kill_all_recorded", "kill_recorded"]

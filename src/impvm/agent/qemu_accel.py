@@ -15,6 +15,7 @@ import ctypes
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -116,11 +117,14 @@ async def probe_boot(
     kernel: Path,
     initramfs: Path,
     timeout_seconds: float,
+    extra_args: Sequence[str] = (),
 ) -> float:
-    """Boot ``kernel`` + ``initramfs`` in probe mode under ``accel`` on ``machine``; return
-    seconds to the probe marker. Raises :class:`AcceleratorError` on timeout (QEMU is killed) or
-    failure."""
-    append = " ".join(["console=ttyS0 panic=-1 loglevel=1 imp.probe", *kernel_args(accel, machine)])
+    """Boot ``kernel`` + ``initramfs`` in probe mode under ``accel`` on ``machine`` (kernel
+    arguments ``extra_args`` too, as the VMs get them); return seconds to the probe marker.
+    Raises :class:`AcceleratorError` on timeout (QEMU is killed) or failure."""
+    append = " ".join(
+        ["console=ttyS0 panic=-1 loglevel=1 imp.probe", *kernel_args(accel, machine), *extra_args]
+    )
     args = [
         qemu,
         *machine_args(accel, machine, 1, 256),
@@ -177,11 +181,13 @@ async def detect_accelerator(
     prefer: Literal["auto", "kvm", "tcg"] = "auto",
     kvm_timeout_seconds: float = 15.0,
     tcg_timeout_seconds: float = 45.0,
+    extra_args: Sequence[str] = (),
 ) -> AccelChoice:
-    """Choose the accelerator and machine by probe boots, in order: KVM (only when ``/dev/kvm``
-    opens and ``prefer`` is not ``tcg``) then TCG (unless ``prefer="kvm"``); for each, the
-    ``microvm`` machine then ``q35``. The first probe that reaches the guest marker within the
-    timeout wins. Raises :class:`AcceleratorError` naming every failed attempt."""
+    """Choose the accelerator and machine by probe boots (kernel arguments ``extra_args``
+    too), in order: KVM (only when ``/dev/kvm`` opens and ``prefer`` is not ``tcg``) then TCG
+    (unless ``prefer="kvm"``); for each, the ``microvm`` machine then ``q35``. The first probe
+    that reaches the guest marker within the timeout wins. Raises :class:`AcceleratorError`
+    naming every failed attempt."""
     reasons: list[str] = []
     accels: list[Accel] = []
     if prefer in ("auto", "kvm"):
@@ -197,7 +203,9 @@ async def detect_accelerator(
         timeout = kvm_timeout_seconds if accel == "kvm" else tcg_timeout_seconds
         for machine in machines:
             try:
-                took = await probe_boot(qemu, accel, machine, kernel, initramfs, timeout)
+                took = await probe_boot(
+                    qemu, accel, machine, kernel, initramfs, timeout, extra_args
+                )
             except AcceleratorError as exc:
                 reasons.append(str(exc))
                 continue

@@ -6,13 +6,31 @@ default :func:`find_kernel` takes the newest ``/boot/vmlinuz-*`` whose modules i
 for read-only host shares; Debian's ``linux-image-cloud-amd64`` lacks ``CONFIG_NET_9P`` and works
 only without shares).
 
+Boot image: the kernel's own ELF ``vmlinux`` taken out of the bzImage (:func:`pvh_image`), so
+QEMU starts it at its PVH entry point (the Xen ``PHYS32_ENTRY`` ELF note Debian's kernels carry,
+``CONFIG_PVH``; QEMU's x86 loader takes such an ELF for ``-kernel``) and the guest skips the
+bzImage's real-mode setup and decompressor: under TCG, unpacking 53-66 MB of kernel took about
+0.5 s of every boot. A kernel without the note boots from its bzImage. PVH entry bypasses the
+decompressor's KASLR, so the guest kernel runs at its link address: that only spares the job
+itself work in attacking its own guest kernel, and root in a single-use VM gives it nothing the
+VM boundary does not already confine.
+
+Kernel command line (:data:`FAST_BOOT_ARGS`): no crypto self-tests, no IO-APIC timer check, lock
+prefixes left in place.
+
 Initramfs (uncompressed ``newc`` cpio, written by :func:`build_initramfs`, cached by content):
 
-* ``/bin/busybox`` (Debian ``busybox-static``) with one symlink per applet;
+* ``/bin/busybox`` (Debian ``busybox-static``) with a symlink for each applet the init runs
+  (:data:`GUEST_APPLETS`; every applet on request: the kernel unpacks each entry at every boot);
 * ``/init``: the guest init (``impvm/agent/assets/guest/init``, see its header);
 * ``/lib/modules/<path>.ko`` for :data:`GUEST_MODULES` and their dependencies (from the kernel's
-  ``modules.dep``; built-in ones from ``modules.builtin`` are skipped) and ``/etc/imp/modules``,
-  the load order (dependencies first).
+  ``modules.dep``; built-in ones from ``modules.builtin`` are skipped) without their appended
+  signatures when the kernel does not require them (``CONFIG_MODULE_SIG_FORCE`` unset in its
+  ``/boot/config-<version>``): the guest would check, for every module at every boot, an RSA
+  signature of a file the agent itself put there - under TCG a good part of loading a module -
+  and loads an unsigned one all the same (taint flag ``E``); ``/etc/imp/modules``, the
+  load order (dependencies first), and ``/etc/imp/modules-pci``, the ones only a machine with a
+  PCI bus needs (q35; microvm has none, its init skips them).
 
 It holds nothing per VM and nothing secret; per-VM data arrives through fw_cfg at launch.
 """
@@ -20,14 +38,22 @@ It holds nothing per VM and nothing secret; per-VM data arrives through fw_cfg a
 from __future__ import annotations
 
 import asyncio
+import bz2
+import ctypes
+import ctypes.util
 import hashlib
+import lzma
 import os
 import re
 import stat
+import struct
 import uuid
-from dataclasses import dataclass
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 #: Modules the guest init needs (virtio transports, disks, net, 9p shares, overlay root, fw_cfg).
 GUEST_MODULES = (
@@ -43,6 +69,41 @@ GUEST_MODULES = (
     "qemu_fw_cfg",
 )
 _SHARE_MODULES = ("9p", "9pnet_virtio")
+#: Modules only a machine with a PCI bus needs (the init skips them when there is none).
+_PCI_MODULES = ("virtio_pci",)
+
+#: The busybox applets the guest init runs (the initramfs links only these).
+GUEST_APPLETS = (
+    "chmod",
+    "chroot",
+    "env",
+    "grep",
+    "insmod",
+    "ip",
+    "kill",
+    "ln",
+    "mkdir",
+    "mount",
+    "poweroff",
+    "reboot",
+    "rmmod",
+    "sed",
+    "sh",
+    "sleep",
+    "stty",
+    "sync",
+    "umount",
+    "uname",
+)
+
+#: Kernel arguments that shorten the guest's boot (kernel-parameters.rst): no crypto self-tests at
+#: algorithm registration (``cryptomgr.notests``; FIPS mode ignores it; they were 70 % of the
+#: instruction-counted time to ``/init``, QEMU ``-icount``), no check that the timer interrupt
+#: arrives through the IO-APIC (``no_timer_check``: a busy-wait of 10 ticks; QEMU delivers it),
+#: and lock prefixes left in place on a one-CPU guest (``noreplace-smp``: patching out thousands
+#: of them one by one flushed QEMU's TLB 35,000 times per boot; an uncontended lock prefix costs
+#: next to nothing).
+FAST_BOOT_ARGS = ("cryptomgr.notests", "no_timer_check", "noreplace-smp")
 
 
 class GuestAssetError(Exception):
@@ -52,11 +113,18 @@ class GuestAssetError(Exception):
 @dataclass(frozen=True)
 class Kernel:
     """A guest kernel: ``path`` (the bzImage), ``version`` (``uname -r``), ``modules`` (its
-    ``/lib/modules/<version>`` directory)."""
+    ``/lib/modules/<version>`` directory), ``pvh`` (its ELF image with a PVH entry point,
+    :func:`pvh_image`; ``None``: QEMU boots the bzImage)."""
 
     path: Path
     version: str
     modules: Path
+    pvh: Path | None = None
+
+    @property
+    def boot_image(self) -> Path:
+        """What QEMU's ``-kernel`` loads: the PVH image when there is one, else the bzImage."""
+        return self.pvh or self.path
 
     def has_module(self, name: str) -> bool:
         """Whether ``name`` is a loadable module or built in."""
@@ -139,6 +207,186 @@ def module_order(kernel: Kernel, names: tuple[str, ...] = GUEST_MODULES) -> list
     return order
 
 
+def pci_only_modules(kernel: Kernel) -> list[str]:
+    """Relative module paths that only the PCI transport needs (``virtio_pci`` and the
+    dependencies no other guest module has)."""
+    others = set(module_order(kernel, tuple(m for m in GUEST_MODULES if m not in _PCI_MODULES)))
+    return [m for m in module_order(kernel, _PCI_MODULES) if m not in others]
+
+
+@dataclass(frozen=True)
+class GuestBoot:
+    """How the guest boots: ``pvh`` (boot the kernel's ELF image at its PVH entry,
+    :func:`pvh_image`), ``kernel_args`` (beyond console and panic; :data:`FAST_BOOT_ARGS`),
+    ``init`` (the ``/init`` script; ``None``: the packaged one), ``applets`` (busybox applets
+    linked in the initramfs; ``None``: all), ``unsigned_modules`` (modules without their
+    signatures when the kernel allows it). The defaults are the agent's; the boot benchmark
+    also boots the configuration before these trims."""
+
+    pvh: bool = True
+    kernel_args: tuple[str, ...] = FAST_BOOT_ARGS
+    init: bytes | None = None
+    applets: tuple[str, ...] | None = field(default=GUEST_APPLETS)
+    unsigned_modules: bool = True
+
+
+_SIG_MAGIC = b"~Module signature appended~\n"
+
+
+def module_signatures_required(kernel: Kernel) -> bool:
+    """Whether ``kernel`` refuses unsigned modules: ``CONFIG_MODULE_SIG_FORCE=y`` in its
+    ``config-<version>`` beside the image, or no such file (then assumed)."""
+    cfg = kernel.path.parent / f"config-{kernel.version}"
+    try:
+        text = cfg.read_text(errors="replace")
+    except OSError:
+        return True
+    return "\nCONFIG_MODULE_SIG_FORCE=y" in f"\n{text}"
+
+
+def unsigned_module(ko: bytes) -> bytes:
+    """``ko`` without the signature ``sign-file`` appends (the signature, a 12-byte
+    ``struct module_signature`` ending in its big-endian length, then the magic string;
+    module-signing.rst); unchanged when it has none."""
+    if not ko.endswith(_SIG_MAGIC) or len(ko) < len(_SIG_MAGIC) + 12:
+        return ko
+    (sig_len,) = struct.unpack_from(">I", ko, len(ko) - len(_SIG_MAGIC) - 4)
+    end = len(ko) - len(_SIG_MAGIC) - 12 - sig_len
+    return ko[:end] if end > 0 else ko
+
+
+_XEN_ELFNOTE_PHYS32_ENTRY = 18
+_LZ4_LEGACY_BLOCK = 8 << 20
+
+
+def _bzimage_payload(bz: bytes) -> bytes:
+    """The compressed kernel inside a bzImage: ``payload_offset``/``payload_length`` of the setup
+    header (x86 boot protocol 2.08+, Documentation/arch/x86/boot.rst), counted from the
+    protected-mode code at ``(setup_sects + 1) * 512``. Raises :class:`ValueError`."""
+    if len(bz) < 0x250 or bz[0x202:0x206] != b"HdrS":
+        raise ValueError("not a bzImage")
+    if struct.unpack_from("<H", bz, 0x206)[0] < 0x208:
+        raise ValueError("boot protocol before 2.08 (no payload fields)")
+    setup_sects = bz[0x1F1] or 4
+    offset, length = struct.unpack_from("<II", bz, 0x248)
+    start = (setup_sects + 1) * 512 + offset
+    if start + length > len(bz):
+        raise ValueError("payload beyond the end of the file")
+    return bz[start : start + length]
+
+
+def _unlz4_legacy(data: bytes) -> bytes:
+    """LZ4's legacy frame (magic 0x184C2102, then blocks of <= 8 MiB each after its 4-byte
+    size; the kernel build appends the uncompressed size), decoded with Debian's ``liblz4``
+    (``LZ4_decompress_safe``). Raises :class:`ValueError`."""
+    name = ctypes.util.find_library("lz4") or "liblz4.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError as exc:
+        raise ValueError(f"liblz4 missing (Debian package liblz4-1): {exc}") from None
+    fn = lib.LZ4_decompress_safe
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    out: list[bytes] = []
+    dst = ctypes.create_string_buffer(_LZ4_LEGACY_BLOCK)
+    pos = 4
+    while pos + 4 <= len(data):
+        (size,) = struct.unpack_from("<I", data, pos)
+        if size == 0x184C2102 or pos + 4 + size > len(data):  # a new frame or the size trailer
+            break
+        n = fn(data[pos + 4 : pos + 4 + size], dst, size, _LZ4_LEGACY_BLOCK)
+        if n < 0:
+            raise ValueError("corrupt LZ4 block")
+        out.append(dst.raw[:n])
+        pos += 4 + size
+    return b"".join(out)
+
+
+def _stream(make: Callable[[], Any]) -> Callable[[bytes], bytes]:
+    """A decoder that stops at the end of the first stream (the kernel build may append its
+    size)."""
+    return lambda data: bytes(make().decompress(data))
+
+
+#: Compressions of Debian's kernels and how to undo them (by the payload's magic).
+_DECODERS: tuple[tuple[bytes, str, Callable[[bytes], bytes]], ...] = (
+    (b"\x1f\x8b", "gzip", _stream(lambda: zlib.decompressobj(wbits=31))),
+    (b"\xfd7zXZ\x00", "xz", _stream(lambda: lzma.LZMADecompressor(lzma.FORMAT_XZ))),
+    (b"\x5d\x00\x00", "lzma", _stream(lambda: lzma.LZMADecompressor(lzma.FORMAT_ALONE))),
+    (b"BZh", "bzip2", _stream(bz2.BZ2Decompressor)),
+    (b"\x02\x21\x4c\x18", "lz4", _unlz4_legacy),
+)
+
+
+def _has_pvh_note(elf: bytes) -> bool:
+    """Whether a 64-bit little-endian ELF has the Xen ``PHYS32_ENTRY`` note (its PVH entry point)
+    in a ``PT_NOTE`` segment."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2 or elf[5] != 1:
+        return False
+    (phoff,) = struct.unpack_from("<Q", elf, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", elf, 0x36)
+    for i in range(phnum):
+        p_type, _flags, p_offset, _va, _pa, p_filesz = struct.unpack_from(
+            "<IIQQQQ", elf, phoff + i * phentsize
+        )
+        if p_type != 4:  # PT_NOTE
+            continue
+        pos, end = p_offset, p_offset + p_filesz
+        while pos + 12 <= end:
+            namesz, descsz, ntype = struct.unpack_from("<III", elf, pos)
+            name = elf[pos + 12 : pos + 12 + namesz]
+            if name.rstrip(b"\0") == b"Xen" and ntype == _XEN_ELFNOTE_PHYS32_ENTRY:
+                return True
+            pos += 12 + (namesz + 3) // 4 * 4 + (descsz + 3) // 4 * 4
+    return False
+
+
+def extract_vmlinux(bzimage: bytes) -> bytes:
+    """The kernel's ELF image inside ``bzimage`` when it can boot at a PVH entry point. Raises
+    :class:`ValueError` naming why not (not a bzImage, a compression not handled here, no PVH
+    note)."""
+    payload = _bzimage_payload(bzimage)
+    for magic, name, decode in _DECODERS:
+        if payload.startswith(magic):
+            try:
+                elf = decode(payload)
+            except (OSError, EOFError, lzma.LZMAError, zlib.error) as exc:
+                raise ValueError(f"{name} payload does not decompress: {exc}") from None
+            break
+    else:
+        raise ValueError(f"payload compression unknown (magic {payload[:4].hex()})")
+    if not _has_pvh_note(elf):
+        raise ValueError("the kernel has no PVH entry point (CONFIG_PVH)")
+    return elf
+
+
+async def pvh_image(kernel: Kernel, cache_dir: Path) -> tuple[Kernel, str | None]:
+    """``kernel`` with its PVH image (:func:`extract_vmlinux`), built once under ``cache_dir``
+    (``vmlinux-<sha256 prefix of the bzImage>``, 0644) and reused; or ``kernel`` unchanged and
+    the reason when it cannot boot that way (it then boots from its bzImage). Raises
+    :class:`GuestAssetError` when the kernel cannot be read or the image not written."""
+    try:
+        bz = await asyncio.to_thread(kernel.path.read_bytes)
+    except OSError as exc:
+        raise GuestAssetError(f"reading the guest kernel failed: {exc}") from exc
+    dest = cache_dir / f"vmlinux-{hashlib.sha256(bz).hexdigest()[:16]}"
+    if await asyncio.to_thread(dest.is_file):
+        return replace(kernel, pvh=dest), None
+    try:
+        elf = await asyncio.to_thread(extract_vmlinux, bz)
+    except ValueError as exc:
+        return kernel, f"{kernel.path}: {exc}"
+    try:
+        await asyncio.to_thread(cache_dir.mkdir, parents=True, exist_ok=True)
+        tmp = cache_dir / f".{dest.name}.{uuid.uuid4().hex}"
+        await asyncio.to_thread(tmp.write_bytes, elf)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    except OSError as exc:
+        raise GuestAssetError(f"writing the guest kernel's PVH image failed: {exc}") from exc
+    return replace(kernel, pvh=dest), None
+
+
 def init_script() -> bytes:
     """The guest ``/init`` (``impvm/agent/assets/guest/init``)."""
     return resources.files("impvm.agent").joinpath("assets/guest/init").read_bytes()
@@ -170,10 +418,13 @@ class _Cpio:
         return b"".join(self.parts)
 
 
-def _initramfs_bytes(kernel: Kernel, busybox: Path, applets: list[str]) -> bytes:
+def _initramfs_bytes(
+    kernel: Kernel, busybox: Path, applets: list[str], init: bytes, unsigned: bool
+) -> bytes:
     order = module_order(kernel)
     cpio = _Cpio()
     dirs = {"bin", "sbin", "dev", "proc", "sys", "etc", "etc/imp", "mnt", "newroot", "lib"}
+    dirs |= {"mnt/lower", "mnt/scratch"}
     for rel in order:
         parts = Path("lib/modules", rel).parent.parts
         dirs |= {"/".join(parts[: i + 1]) for i in range(len(parts))}
@@ -184,20 +435,34 @@ def _initramfs_bytes(kernel: Kernel, busybox: Path, applets: list[str]) -> bytes
     for a in applets:
         if a != "busybox" and "/" not in a:
             cpio.add(f"bin/{a}", stat.S_IFLNK | 0o777, b"busybox")
-    cpio.add("init", stat.S_IFREG | 0o755, init_script())
+    cpio.add("init", stat.S_IFREG | 0o755, init)
     for rel in order:
-        cpio.add(f"lib/modules/{rel}", stat.S_IFREG | 0o644, (kernel.modules / rel).read_bytes())
+        ko = (kernel.modules / rel).read_bytes()
+        data = unsigned_module(ko) if unsigned else ko
+        cpio.add(f"lib/modules/{rel}", stat.S_IFREG | 0o644, data)
     cpio.add("etc/imp/modules", stat.S_IFREG | 0o644, "".join(f"{r}\n" for r in order).encode())
+    pci = "".join(f"{r}\n" for r in pci_only_modules(kernel)).encode()
+    cpio.add("etc/imp/modules-pci", stat.S_IFREG | 0o644, pci)
     return cpio.finish()
 
 
 async def build_initramfs(
-    kernel: Kernel, cache_dir: Path, busybox: Path = Path("/bin/busybox")
+    kernel: Kernel,
+    cache_dir: Path,
+    busybox: Path = Path("/bin/busybox"),
+    *,
+    init: bytes | None = None,
+    applets: Sequence[str] | None = GUEST_APPLETS,
+    unsigned_modules: bool = True,
 ) -> Path:
     """Build (or reuse) the guest initramfs for ``kernel`` under ``cache_dir``; returns its path
-    (``initramfs-<sha256 prefix>.cpio``, mode 0644, read only by QEMU). The key covers the init
-    script, busybox, the kernel version and the module list. Raises :class:`GuestAssetError`
-    when busybox or a module cannot be read."""
+    (``initramfs-<sha256 prefix>.cpio``, mode 0644, read only by QEMU). ``init``: the ``/init``
+    script (default :func:`init_script`); ``applets``: the busybox applets to link (``None``:
+    all); ``unsigned_modules``: drop module signatures unless the kernel requires them
+    (:func:`module_signatures_required`). The key covers all of these, busybox, the kernel
+    version and the module list. Raises :class:`GuestAssetError` when busybox or a module
+    cannot be read, or busybox lacks an applet."""
+    init = init_script() if init is None else init
     if not await asyncio.to_thread(busybox.is_file):
         raise GuestAssetError(f"{busybox} missing (Debian package busybox-static)")
     proc = await asyncio.create_subprocess_exec(
@@ -208,18 +473,26 @@ async def build_initramfs(
         stderr=asyncio.subprocess.DEVNULL,
     )
     out, _ = await proc.communicate()
-    applets = sorted(out.decode().split())
+    available = sorted(out.decode().split())
+    if applets is None:
+        links = available
+    else:
+        missing = sorted(set(applets) - set(available))
+        if missing:
+            raise GuestAssetError(f"{busybox} lacks the applets {', '.join(missing)}")
+        links = sorted(applets)
     st = await asyncio.to_thread(busybox.stat)
     h = hashlib.sha256()
-    for part in (init_script(), kernel.version.encode(), str(module_order(kernel)).encode()):
+    for part in (init, kernel.version.encode(), str(module_order(kernel)).encode()):
         h.update(part + b"\0")
-    h.update(f"{st.st_size}:{st.st_mtime_ns}:{applets}".encode())
+    unsigned = unsigned_modules and not module_signatures_required(kernel)
+    h.update(f"{st.st_size}:{st.st_mtime_ns}:{links}:{unsigned}".encode())
     dest = cache_dir / f"initramfs-{h.hexdigest()[:16]}.cpio"
     if await asyncio.to_thread(dest.is_file):
         return dest
     try:
         await asyncio.to_thread(cache_dir.mkdir, parents=True, exist_ok=True)
-        data = await asyncio.to_thread(_initramfs_bytes, kernel, busybox, applets)
+        data = await asyncio.to_thread(_initramfs_bytes, kernel, busybox, links, init, unsigned)
         tmp = cache_dir / f".{dest.name}.{uuid.uuid4().hex}"
         await asyncio.to_thread(tmp.write_bytes, data)
         os.chmod(tmp, 0o644)
