@@ -104,6 +104,7 @@ __all__ = [
     "decide",
     "github_condition",
     "jit_secret_manifest",
+    "poll_since",
     "poll_wanted",
     "settle",
     "vm_manifest",
@@ -139,9 +140,12 @@ class EventSpec:
 
 @dataclass(frozen=True, slots=True)
 class PollRequest:
-    """Poll GitHub for the scope's jobs now (``why``: a sentence), then decide again."""
+    """Poll GitHub for the scope's jobs now (``why``: a sentence), then decide again. ``since``
+    (monotonic s): a poll of the installation that started then or later answers it (None: any
+    poll since the operator started), so the pools of an installation share polls."""
 
     why: str
+    since: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -439,6 +443,25 @@ def poll_wanted(world: PoolWorld) -> str | None:
     return None
 
 
+def poll_since(world: PoolWorld) -> float | None:
+    """From when a poll answers the one :func:`poll_wanted` asks for (monotonic s): any poll
+    since the start for the first; the moment it fell due for an interval or safety poll (a
+    poll another pool of the installation started since then serves it too); now when a runner
+    became busy (the queue changed now). Pure."""
+    last = world.poll.last_poll
+    if last is None:
+        return None
+    scaling = world.pool.spec.scaling
+    polling = scaling.polling if scaling else None
+    mode = scaling.mode if scaling else "manual"
+    since = world.mono - last
+    if mode in ("polling", "hybrid") and polling is not None and polling.enabled:
+        if since >= polling.interval_seconds:
+            return last + polling.interval_seconds
+        return world.mono
+    return min(world.mono, last + world.settings.webhook_safety_poll_seconds)
+
+
 def _lost_nodes(
     world: PoolWorld,
 ) -> tuple[tuple[FinalizerRelease, ...], tuple[VMStatusPatch, ...]]:
@@ -651,7 +674,7 @@ def decide(world: PoolWorld) -> PoolPlan:
         return _finish(world, PoolPlan(events=(EventSpec("InvalidSpec", str(e), True),)))
     why = poll_wanted(world)
     if why is not None and not _budget_low(world):
-        return PoolPlan(poll=PollRequest(why))
+        return PoolPlan(poll=PollRequest(why, poll_since(world)))
 
     events: list[EventSpec] = []
     try:
