@@ -12,6 +12,7 @@ from impvm.scaling.pollbudget import (
     BASE_REPO_COST,
     Bucket,
     PollBudget,
+    RateWindow,
     choose_repos,
     repo_cost,
     sweep_polls,
@@ -40,7 +41,7 @@ def test_a_poll_never_exceeds_its_budget_but_to_read_one_oversized_hot_repo(
     assert len(set(choice.read)) == len(choice.read) and set(choice.read) <= set(repos)
     spent = sum(repo_cost(r, cost) for r in choice.read)
     assert spent == choice.cost
-    if spent > budget:  # the one exception: the oldest hot repository alone, too big to fit
+    if spent > max(budget, 0):  # the one exception: the oldest hot repository alone, too big to fit
         assert budget > 0 and len(choice.read) == 1 and choice.read[0] in hot
         oldest = min(hot, key=lambda r: (last.get(r, -1), r))
         assert choice.read[0] == oldest
@@ -141,3 +142,13 @@ def test_a_bucket_refills_to_its_cap_and_ignores_a_clock_going_back() -> None:
 def test_budget_settings_are_checked(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         PollBudget(**bad)
+
+
+def test_a_rate_window_counts_per_github_window() -> None:
+    w = RateWindow().at(0).charged(30)  # before GitHub said when its window resets
+    assert w.left(0.5, 100) == 20
+    w = w.at(5000)  # the first window learnt: what was used counts in it
+    assert (w.used, w.left(0.5, 100)) == (30, 20)
+    w = w.charged(25)
+    assert w.left(0.5, 100) == -5
+    assert w.at(5000).used == 55 and w.at(8600).used == 0  # a new window starts from zero

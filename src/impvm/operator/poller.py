@@ -37,7 +37,7 @@ from impvm.github.errors import GitHubError
 from impvm.operator.demand import RepoMemory, RepoRead, read_repo, scope_repositories
 from impvm.operator.metrics import POLL_CALLS
 from impvm.scaling.jobtable import JobTable
-from impvm.scaling.pollbudget import Bucket, PollBudget, choose_repos
+from impvm.scaling.pollbudget import Bucket, PollBudget, RateWindow, choose_repos
 
 __all__ = ["DEFAULT_INSTALLATION_LIMIT", "InstallationPoller", "PollReport", "Pollers"]
 
@@ -108,12 +108,14 @@ class InstallationPoller:
         self._universe: list[str] = []
         now = clock.monotonic()
         self._all = Bucket.full(budget.calls_per_hour, budget.burst_seconds, now)
-        self._rate = Bucket.full(self._rate_per_hour(), budget.burst_seconds, now)
+        self._window = RateWindow()
 
-    def _rate_per_hour(self) -> float:
+    def _rate_left(self) -> int:
+        """Rate-limited requests left to polling in GitHub's current window."""
         b = self.client.rate_budget()
         limit = b.limit if b is not None and b.limit > 0 else DEFAULT_INSTALLATION_LIMIT
-        return self.budget.rate_limit_share * limit
+        self._window = self._window.at(b.reset if b is not None else 0)
+        return self._window.left(self.budget.rate_limit_share, limit)
 
     async def poll(self, scope: Scope, since: float | None) -> PollReport:
         """A poll that covered ``scope`` and started at or after ``since`` (monotonic s; None:
@@ -158,8 +160,7 @@ class InstallationPoller:
         scopes = frozenset(self._asked)
         b = self.budget
         self._all = self._all.refilled(b.calls_per_hour, b.burst_seconds, mono)
-        self._rate = self._rate.refilled(self._rate_per_hour(), b.burst_seconds, mono)
-        budget = math.floor(self._all.tokens) if self._rate.tokens > 0 else 0
+        budget = max(0, min(math.floor(self._all.tokens), self._rate_left()))
         calls = not_modified = 0
         reads: list[RepoRead] = []
         failure: GitHubError | None = None
@@ -197,7 +198,7 @@ class InstallationPoller:
         except GitHubError as e:
             failure = e
         self._all = self._all.spent(calls)
-        self._rate = self._rate.spent(calls - not_modified)
+        self._window = self._window.charged(calls - not_modified)
         POLL_CALLS.inc(calls)
         self._apply(reads, started_at)
         report = PollReport(

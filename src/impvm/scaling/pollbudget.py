@@ -7,22 +7,24 @@ page of 100) and the jobs of runs that changed (REST "Workflow jobs"); the repos
 the installation's listing (REST "Installations", one request per 100 repositories). One poller
 per installation does this for every pool of the installation.
 
-**Budget.** Two token buckets (:class:`Bucket`), refilled continuously and capped at
-``burst_seconds`` of refill:
+**Budget.** Two bounds, both per installation:
 
-* *all calls* at ``calls_per_hour`` (304s included: a 304 costs no rate limit but is a round
-  trip; GitHub's secondary limits count requests, REST "Rate limits for the REST API");
-* *rate-limited calls* (every answer but a 304) at ``rate_limit_share`` of the installation's
-  primary limit ``L`` (``x-ratelimit-limit``; a GitHub App installation has 5,000 an hour, more
-  on large organisations, REST "Rate limits for GitHub Apps"). A 304 with ``Authorization``
-  does not count against it (REST "Best practices", conditional requests).
+* *all calls*: a token bucket (:class:`Bucket`) refilled at ``calls_per_hour`` and capped at
+  ``burst_seconds`` of refill; 304s count (a 304 costs no rate limit but is a round trip, and
+  GitHub's secondary limits count requests: REST "Rate limits for the REST API");
+* *rate-limited calls* (every answer but a 304): at most ``rate_limit_share`` of the
+  installation's primary limit ``L`` in each of GitHub's rate-limit windows
+  (:class:`RateWindow`; ``x-ratelimit-limit`` and ``x-ratelimit-reset``: a GitHub App
+  installation has 5,000 an hour, more on large organisations, REST "Rate limits for GitHub
+  Apps"). A 304 with ``Authorization`` does not count against it (REST "Best practices",
+  conditional requests). JIT configs and runner listings draw on the rest of ``L``.
 
-A poll may plan ``B = floor(all-calls tokens)`` calls while the rate-limited bucket is positive,
-and none while it is in debt. Both buckets are charged afterwards with what the poll really
-made, so a poll that found more changed runs than planned leaves debt that the next polls pay
-back: over any ``T`` seconds the poller makes at most ``calls_per_hour * T / 3600 + cap + one
-poll's overrun`` calls, and at most ``rate_limit_share * L * T / 3600 + cap + one poll`` that
-cost rate limit.
+A poll plans ``B = min(floor(bucket tokens), share * L - used in this window)`` requests, each
+assumed to cost rate limit. Both are charged afterwards with what the poll really made, so a
+poll that found more changed runs than planned leaves debt that the next polls pay back: over
+any ``T`` seconds the poller makes at most ``calls_per_hour * T / 3600 + cap + one poll's
+overrun`` requests, and in each window at most ``share * L + one poll's overrun`` that cost
+rate limit.
 
 **Spread.** Each repository has an estimated cost ``c(r)``: the requests its last read made
 (two run listings, plus the jobs reads of changed runs), 2 before its first. *Hot* repositories
@@ -52,6 +54,7 @@ __all__ = [
     "BASE_REPO_COST",
     "Bucket",
     "PollBudget",
+    "RateWindow",
     "RepoChoice",
     "choose_repos",
     "sweep_polls",
@@ -103,6 +106,28 @@ class Bucket:
 
     def spent(self, calls: float) -> Bucket:
         return Bucket(self.tokens - calls, self.at)
+
+
+@dataclass(frozen=True, slots=True)
+class RateWindow:
+    """Rate-limited requests the poller made (``used``) in GitHub's window ending at ``reset``
+    (epoch s, ``x-ratelimit-reset``; 0: unknown yet)."""
+
+    reset: int = 0
+    used: int = 0
+
+    def at(self, reset: int) -> RateWindow:
+        """This window, or a fresh one when GitHub reports another reset time (a new window)."""
+        if reset and reset != self.reset:
+            return RateWindow(reset, 0 if self.reset else self.used)
+        return self
+
+    def left(self, share: float, limit: int) -> int:
+        """Requests the poller may still make in this window: ``share * limit - used``."""
+        return math.floor(share * limit) - self.used
+
+    def charged(self, rate_limited: int) -> RateWindow:
+        return RateWindow(self.reset, self.used + rate_limited)
 
 
 @dataclass(frozen=True, slots=True)
