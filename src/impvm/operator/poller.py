@@ -72,7 +72,8 @@ class PollReport:
     api_calls: int
     not_modified: int
     budget: int
-    #: redacted by the client: safe to show in a condition
+    #: every repository of the scopes had been read once (since the poller started)
+    swept: bool = True
     #: the error that ended the poll (redacted by the client)
     failure: GitHubError | None = None
 
@@ -212,6 +213,7 @@ class InstallationPoller:
             api_calls=calls,
             not_modified=not_modified,
             budget=budget,
+            swept=all(r in self._last_read for r in self._universe),
             failure=failure,
         )
         log.debug(

@@ -206,7 +206,10 @@ class PoolReconciler:
         report = await poller.poll(scope, since)
         if report.failure is not None:
             outcome = PollOutcome(
-                time=report.finished_at, failure=failure_of(report.failure), started=report.started
+                time=report.finished_at,
+                failure=failure_of(report.failure),
+                started=report.started,
+                swept=report.swept,
             )
         else:
             outcome = PollOutcome(
@@ -214,6 +217,7 @@ class PoolReconciler:
                 queued=poller.queued(scope),
                 api_calls=report.api_calls,
                 started=report.started,
+                swept=report.swept,
             )
         return world.after_poll(outcome, *self._jobs(world.pool, world.vms))
 

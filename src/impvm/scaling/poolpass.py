@@ -413,9 +413,11 @@ def poll_wanted(world: PoolWorld) -> str | None:
 
     Polls in polling/hybrid mode every ``polling.intervalSeconds`` (sooner when a runner became
     busy: a queued job was taken); in webhook mode once at start (an operator restart loses no
-    job) and every ``webhook_safety_poll_seconds`` (a queued job whose later deliveries were
-    lost must not keep a VM forever); never in manual mode, nor twice in one pass, nor while
-    GitHub is failing. The rate-limit budget is not considered here (see :func:`decide`)."""
+    job; every ``resync_seconds`` until the installation's poller read every repository once,
+    as a large organisation takes several polls) and every ``webhook_safety_poll_seconds`` (a
+    queued job whose later deliveries were lost must not keep a VM forever); never in manual
+    mode, nor twice in one pass, nor while GitHub is failing. The rate-limit budget is not
+    considered here (see :func:`decide`)."""
     scaling = world.pool.spec.scaling
     mode = scaling.mode if scaling else "manual"
     g = world.github
@@ -440,6 +442,8 @@ def poll_wanted(world: PoolWorld) -> str | None:
     safety = world.settings.webhook_safety_poll_seconds
     if mode == "webhook" and since >= safety:
         return f"{since:.0f}s since the last poll (webhook-mode safety poll every {safety:.0f}s)"
+    if mode == "webhook" and not world.poll.swept and since >= world.settings.resync_seconds:
+        return "the first poll has not read every repository yet (start-up sweep)"
     return None
 
 
@@ -459,6 +463,8 @@ def poll_since(world: PoolWorld) -> float | None:
         if since >= polling.interval_seconds:
             return last + polling.interval_seconds
         return world.mono
+    if not world.poll.swept:
+        return min(world.mono, last + world.settings.resync_seconds)
     return min(world.mono, last + world.settings.webhook_safety_poll_seconds)
 
 

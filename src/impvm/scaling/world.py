@@ -289,6 +289,9 @@ class PollState:
 
     last_poll: float | None = None
     busy_at_poll: frozenset[str] = frozenset()
+    #: whether every repository of the installation had been read once by then (a large
+    #: organisation is read over several polls, within the installation's budget)
+    swept: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -296,13 +299,15 @@ class PollOutcome:
     """The poll that answered this pass (the installation's, shared by its pools): when it
     finished, what it saw and cost, or why it failed; ``started``: when it started (monotonic
     s; None: this pass's reading), which becomes the pool's ``PollState.last_poll``, so pools
-    served by one poll fall due together and share the next one too."""
+    served by one poll fall due together and share the next one too; ``swept``: every
+    repository of the installation had been read once when it finished."""
 
     time: dt.datetime
     queued: int = 0
     api_calls: int = 0
     failure: GitHubFailure | None = None
     started: float | None = None
+    swept: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -393,7 +398,7 @@ class PoolWorld:
         return replace(
             self,
             polled=outcome,
-            poll=PollState(at, busy),
+            poll=PollState(at, busy, outcome.swept),
             pending_jobs=pending_jobs,
             running_jobs=running_jobs,
         )
