@@ -14,6 +14,7 @@ from impvm.scaling.pollbudget import (
     PollBudget,
     RateWindow,
     choose_repos,
+    cold_reserve,
     repo_cost,
     sweep_polls,
 )
@@ -54,7 +55,8 @@ def test_hot_repositories_are_read_every_poll_when_they_fit(
     w: tuple[list[str], set[str], dict[str, int], dict[str, int], int],
 ) -> None:
     repos, hot, cost, last, budget = w
-    if sum(repo_cost(r, cost) for r in hot) <= budget:
+    room = budget - cold_reserve(budget) if set(repos) - hot else budget
+    if sum(repo_cost(r, cost) for r in hot) <= room:
         assert hot <= set(choose_repos(repos, hot, cost, last, budget).read)
 
 
@@ -62,7 +64,7 @@ def test_hot_repositories_are_read_every_poll_when_they_fit(
 @given(
     st.integers(1, 600),
     st.integers(0, 8),
-    st.integers(2 * BASE_REPO_COST, 200),
+    st.integers(2 * BASE_REPO_COST + 5, 200),
     st.integers(0, 5),
 )
 def test_every_repository_is_read_within_the_sweep_bound(
@@ -83,7 +85,8 @@ def test_every_repository_is_read_within_the_sweep_bound(
     for n in range(1, 3 * bound + 2):
         choice = choose_repos(repos, hot, cost, last, budget)
         assert choice.cost <= budget
-        assert hot <= set(choice.read)
+        if hot_cost <= budget - cold_reserve(budget):
+            assert hot <= set(choice.read)
         for r in choice.read:
             gaps[r] = max(gaps.get(r, 0), n - last.get(r, 0))
             last[r] = n
@@ -97,7 +100,9 @@ def test_sweep_math_for_50_and_500_repositories() -> None:
     assert per_poll == 150
     assert sweep_polls(50, 0, per_poll, listing_pages=1) == 1
     assert sweep_polls(500, 0, per_poll, listing_pages=5) == math.ceil(500 / 72) == 7
-    assert sweep_polls(10, 149, 150) is None
+    assert sweep_polls(10, 149, 150) == 2  # the reserve: 15 requests, 7 idle repositories
+    assert sweep_polls(100, 1000, 150) == 15
+    assert sweep_polls(10, 0, 1) is None
     assert sweep_polls(0, 0, 10) == 0
 
 

@@ -29,14 +29,16 @@ rate limit.
 **Spread.** Each repository has an estimated cost ``c(r)``: the requests its last read made
 (two run listings, plus the jobs reads of changed runs), 2 before its first. *Hot* repositories
 (open runs at their last read, or open jobs in the job table from webhooks) are read first,
-every poll, while they fit; then the others (*cold*) least recently read first, as long as
-they fit, so they go round-robin across polls. With ``H`` the cost of the hot ones and ``N``
-cold repositories (``c = 2`` each), every cold repository is read at least once every
-``ceil(N / floor((B - H) / 2))`` polls (:func:`sweep_polls`). At the start of each sweep the
-installation's repositories are listed again (``ceil(N / 100)`` requests, taken from ``B``
-too). When the least recently read hot repository alone exceeds ``B`` (more open runs than
-``B``), it is read alone: the poll overruns by at most that one
-repository and the debt delays the next polls, so the hourly budgets hold.
+every poll, while they fit in ``B`` less a reserve for the others (``R = max(2, B / 10)``, so
+that many busy repositories do not stop the sweep); then the others (*cold*) least recently
+read first, as long as they fit, so they go round-robin across polls. With ``H`` the cost of
+the hot ones and ``N`` cold repositories (``c = 2`` each), every cold repository is read at
+least once every ``ceil(N / floor(max(B - H, R) / 2))`` polls (:func:`sweep_polls`; no hot
+repository bigger than ``B`` assumed). At the start of each sweep the installation's
+repositories are listed again (``ceil(N / 100)`` requests, taken from ``B`` first). When the
+least recently read hot repository alone exceeds ``B`` (more open runs than ``B``), it is read
+alone: the poll overruns by at most that one repository and the debt delays the next polls, so
+the hourly budgets hold.
 
 With the defaults (``calls_per_hour`` 18,000, polls every 30 s: ``B = 150``), 50 repositories
 are all read in every poll (101 requests) and 500 in ``ceil(500 / floor((150 - 5) / 2)) = 7``
@@ -57,6 +59,7 @@ __all__ = [
     "RateWindow",
     "RepoChoice",
     "choose_repos",
+    "cold_reserve",
     "sweep_polls",
 ]
 
@@ -138,6 +141,12 @@ class RepoChoice:
     cost: int
 
 
+def cold_reserve(budget: int) -> int:
+    """Requests of a poll's ``budget`` kept for cold repositories while there are any: a tenth,
+    at least one repository's two listings (so many busy repositories never stop the sweep)."""
+    return max(BASE_REPO_COST, budget // 10)
+
+
 def repo_cost(repo: str, cost: Mapping[str, int]) -> int:
     """Estimated requests to read ``repo``: what its last read made (``cost``), else the two
     run listings."""
@@ -153,7 +162,8 @@ def choose_repos(
 ) -> RepoChoice:
     """Which of ``repos`` (``owner/name``, no duplicates) this poll reads with ``budget``
     requests: the hot ones first (``hot``; least recently read first, so that hot repositories
-    that do not all fit take turns), then the cold ones least recently read first
+    that do not all fit take turns) within the budget less :func:`cold_reserve` (when there
+    are cold ones), then the cold ones least recently read first
     (``last_read``: the number of the poll that last read each; a repository never read comes
     first), each while its cost (:func:`repo_cost`) fits what is left. Cold repositories stop at
     the first that does not fit (the oldest is never overtaken, which bounds every repository's
@@ -169,12 +179,14 @@ def choose_repos(
     if budget > 0 and hot_first and repo_cost(hot_first[0], cost) > budget:
         return RepoChoice((hot_first[0],), repo_cost(hot_first[0], cost))
     left = budget
+    hot_left = budget - cold_reserve(budget) if cold else budget
     read: list[str] = []
     for r in hot_first:
         c = repo_cost(r, cost)
-        if c <= left:
+        if c <= min(left, hot_left):
             read.append(r)
             left -= c
+            hot_left -= c
     for r in cold:
         c = repo_cost(r, cost)
         if c > left:
@@ -187,11 +199,13 @@ def choose_repos(
 def sweep_polls(repos: int, hot_cost: int, budget: int, listing_pages: int = 0) -> int | None:
     """Polls one sweep of ``repos`` cold repositories takes with ``budget`` requests a poll of
     which ``hot_cost`` go to hot repositories and ``listing_pages`` to the repositories listing:
-    ``ceil(repos / floor((budget - hot_cost - listing_pages) / 2))``; None when nothing is left for
+    ``ceil(repos / floor(max(b - hot_cost, cold_reserve(b)) / 2))`` with ``b = budget -
+    listing_pages`` (no hot repository bigger than the budget); None when nothing is left for
     them."""
-    left = budget - hot_cost - listing_pages
     if repos == 0:
         return 0
+    rest = budget - listing_pages
+    left = max(rest - hot_cost, min(cold_reserve(rest), rest))
     if left < BASE_REPO_COST:
         return None
     per_poll = left // BASE_REPO_COST
