@@ -100,8 +100,8 @@ def test_sweep_math_for_50_and_500_repositories() -> None:
     assert per_poll == 150
     assert sweep_polls(50, 0, per_poll, listing_pages=1) == 1
     assert sweep_polls(500, 0, per_poll, listing_pages=5) == math.ceil(500 / 72) == 7
-    assert sweep_polls(10, 149, 150) == 2  # the reserve: 15 requests, 7 idle repositories
-    assert sweep_polls(100, 1000, 150) == 15
+    assert sweep_polls(10, 149, 150) == 1  # the reserve: 75 requests, 37 idle repositories
+    assert sweep_polls(100, 1000, 150) == 3
     assert sweep_polls(10, 0, 1) is None
     assert sweep_polls(0, 0, 10) == 0
 

@@ -29,9 +29,10 @@ rate limit.
 **Spread.** Each repository has an estimated cost ``c(r)``: the requests its last read made
 (two run listings, plus the jobs reads of changed runs), 2 before its first. *Hot* repositories
 (open runs at their last read, or open jobs in the job table from webhooks) are read first,
-every poll, while they fit in ``B`` less a reserve for the others (``R = max(2, B / 10)``, so
-that many busy repositories do not stop the sweep); then the others (*cold*) least recently
-read first, as long as they fit, so they go round-robin across polls. With ``H`` the cost of
+every poll, while they fit in ``B`` less a reserve for the others (``R = max(2, B / 2)``, so
+that many busy repositories do not stall the sweep; beyond ``B - R`` they take turns); then
+the others (*cold*) least recently read first, as long as they fit, so they go round-robin
+across polls. With ``H`` the cost of
 the hot ones and ``N`` cold repositories (``c = 2`` each), every cold repository is read at
 least once every ``ceil(N / floor(max(B - H, R) / 2))`` polls (:func:`sweep_polls`; no hot
 repository bigger than ``B`` assumed). At the start of each sweep the installation's
@@ -142,9 +143,11 @@ class RepoChoice:
 
 
 def cold_reserve(budget: int) -> int:
-    """Requests of a poll's ``budget`` kept for cold repositories while there are any: a tenth,
-    at least one repository's two listings (so many busy repositories never stop the sweep)."""
-    return max(BASE_REPO_COST, budget // 10)
+    """Requests of a poll's ``budget`` kept for cold repositories while there are any: half, at
+    least one repository's two listings. A job in an idle repository matters as much as a
+    change in a busy one: with many busy repositories (hundreds of queued jobs) a smaller
+    reserve would leave the sweep crawling while they take turns."""
+    return max(BASE_REPO_COST, budget // 2)
 
 
 def repo_cost(repo: str, cost: Mapping[str, int]) -> int:
