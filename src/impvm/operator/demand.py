@@ -67,6 +67,8 @@ class RepoRead:
     not_modified: int
     memory: RepoMemory
     gone: bool = False
+    #: of ``calls``, the run listings (pages): what the next read costs when nothing changed
+    listing_calls: int = 0
 
 
 def _has_queued(jobs: tuple[WorkflowJob, ...]) -> bool:
@@ -92,6 +94,7 @@ async def read_repo(
                 runs.setdefault(run.id, run)  # a run that moved between the two reads: once
     except NotFound:
         return RepoRead(repo, (), calls + 1, not_modified, RepoMemory(), gone=True)
+    listing_calls = calls
     jobs: dict[int, tuple[WorkflowJob, ...]] = {}
     if kept is not None and unchanged:
         jobs = {i: kept.jobs[i] for i in runs if i in kept.jobs}
@@ -117,7 +120,7 @@ async def read_repo(
         jobs[run_id] = tuple(listed_jobs.items)
     memory = RepoMemory({i: r for i, r in runs.items() if i in jobs}, jobs)
     found = tuple(job_from_github(j, repo, now) for js in jobs.values() for j in js)
-    return RepoRead(repo, found, calls, not_modified, memory)
+    return RepoRead(repo, found, calls, not_modified, memory, listing_calls=listing_calls)
 
 
 def scope_repositories(scope: Scope, installation: list[str]) -> list[str]:

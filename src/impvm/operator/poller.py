@@ -191,7 +191,9 @@ class InstallationPoller:
                 not_modified += r.not_modified
                 reads.append(r)
                 self._last_read[repo] = n
-                self._cost[repo] = max(r.calls, 2)
+                # the next read's likely cost: its listings (a changed run adds a jobs read,
+                # charged when made)
+                self._cost[repo] = r.listing_calls
                 if r.gone:
                     self._memory.pop(repo, None)
                 else:

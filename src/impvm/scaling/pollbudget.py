@@ -26,8 +26,9 @@ any ``T`` seconds the poller makes at most ``calls_per_hour * T / 3600 + cap + o
 overrun`` requests, and in each window at most ``share * L + one poll's overrun`` that cost
 rate limit.
 
-**Spread.** Each repository has an estimated cost ``c(r)``: the requests its last read made
-(two run listings, plus the jobs reads of changed runs), 2 before its first. *Hot* repositories
+**Spread.** Each repository has an estimated cost ``c(r)``: the run listings its last read
+made (2, one page each, unless it has more than 100 open runs), 2 before its first; the jobs
+reads of runs that changed are charged when made. *Hot* repositories
 (open runs at their last read, or open jobs in the job table from webhooks) are read first,
 every poll, while they fit in ``B`` less a reserve for the others (``R = max(2, B / 2)``, so
 that many busy repositories do not stall the sweep; beyond ``B - R`` they take turns); then
@@ -151,8 +152,8 @@ def cold_reserve(budget: int) -> int:
 
 
 def repo_cost(repo: str, cost: Mapping[str, int]) -> int:
-    """Estimated requests to read ``repo``: what its last read made (``cost``), else the two
-    run listings."""
+    """Estimated requests to read ``repo``: the run listings its last read made (``cost``), at
+    least the two of one page each."""
     return max(BASE_REPO_COST, cost.get(repo, BASE_REPO_COST))
 
 
