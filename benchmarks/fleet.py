@@ -83,6 +83,50 @@ def total_calls(eps: dict[str, dict[str, int]]) -> tuple[int, int]:
     return n, sum(v.get("304", 0) for v in eps.values())
 
 
+POLL_PATHS = (
+    "/installation/repositories",
+    "/repos/{owner}/{repo}/actions/runs",
+    "/repos/{owner}/{repo}/actions/runs/{run_id}/jobs",
+)
+
+
+def poll_cost(log: list[dict[str, Any]], t0: float, t1: float, gap: float = 5.0) -> dict[str, Any]:
+    """Polls in the stand-in's log between ``t0`` and ``t1`` (epoch s): the poll requests
+    (repository listings, run listings, jobs lists) grouped into polls by pauses of more than
+    ``gap`` seconds (the installation's poller reads serially; polls are an interval apart).
+    Returns polls seen, requests and 304s per poll (median, max), the repositories whose runs
+    were read, and the sweep: seconds from ``t0`` until every repository seen in the window
+    had its runs read at least once, and the longest time between two reads of one
+    repository's runs."""
+    reqs = [e for e in log if e.get("path") in POLL_PATHS and t0 <= e["time"] <= t1]
+    polls: list[list[dict[str, Any]]] = []
+    for e in sorted(reqs, key=lambda e: e["time"]):
+        if not polls or e["time"] - polls[-1][-1]["time"] > gap:
+            polls.append([])
+        polls[-1].append(e)
+    sizes = sorted(len(p) for p in polls)
+    n304 = sorted(sum(1 for e in p if e.get("status") == 304) for p in polls)
+    runs = POLL_PATHS[1]
+    reads: dict[str, list[float]] = collections.defaultdict(list)
+    for e in reqs:
+        if e["path"] == runs:
+            reads[e.get("url", "?")].append(e["time"])
+    first = max((min(ts) for ts in reads.values()), default=t0)
+    longest = max(
+        (b - a for ts in reads.values() for a, b in zip(sorted(ts), sorted(ts)[1:], strict=False)),
+        default=0.0,
+    )
+    return {
+        "polls": len(polls),
+        "calls_per_poll_median": sizes[len(sizes) // 2] if sizes else 0,
+        "calls_per_poll_max": sizes[-1] if sizes else 0,
+        "calls_304_per_poll_median": n304[len(n304) // 2] if n304 else 0,
+        "repos_read": len(reads),
+        "sweep_seconds": round(first - t0, 1),
+        "longest_between_reads_seconds": round(longest, 1),
+    }
+
+
 async def idle_floor(seconds: float) -> tuple[float, float]:
     """RSS (MiB) and CPU (share of a core) of a Python process that imported the operator and
     sleeps for ``seconds``."""
@@ -249,7 +293,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(args.settle)
         log.clear()
         rss: list[float] = []
-        c1, t1 = cpu_seconds(pid), time.monotonic()
+        c1, t1, wall1 = cpu_seconds(pid), time.monotonic(), time.time()
         while time.monotonic() - t1 < args.quiet:
             await asyncio.sleep(min(5.0, args.quiet - (time.monotonic() - t1) + 0.01))
             rss.append(rss_mib(pid))
@@ -257,6 +301,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         window = time.monotonic() - t1
         idle_cpu = cpu_seconds(pid) - c1
         idle_eps = by_endpoint(list(log))
+        polled = poll_cost(list(log), wall1, time.time())
         n_idle, n_idle_304 = total_calls(idle_eps)
         result.update(
             quiet_seconds=round(window, 1),
@@ -267,11 +312,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             idle_calls_per_min=round(n_idle / window * 60, 1),
             idle_calls_304=n_idle_304,
             idle_endpoints=idle_eps,
+            idle_polls=polled,
         )
         print(
             f"quiet {window:.0f}s: operator CPU {idle_cpu:.2f}s ({idle_cpu / window:.1%} of a "
             f"core), RSS {rss[-1]:.0f} MiB (peak {max(rss):.0f}), GitHub "
             f"{n_idle / window * 60:.1f} calls/min ({n_idle_304} 304s)",
+            flush=True,
+        )
+        print(
+            f"polls in the quiet window: {polled['polls']}, requests per poll median "
+            f"{polled['calls_per_poll_median']} (max {polled['calls_per_poll_max']}, median "
+            f"{polled['calls_304_per_poll_median']} 304s); runs of {polled['repos_read']} "
+            f"repositories read, all within {polled['sweep_seconds']}s, at most "
+            f"{polled['longest_between_reads_seconds']}s between two reads of one",
             flush=True,
         )
         for phase, eps in (("creation", create_eps), ("quiet", idle_eps)):

@@ -181,6 +181,20 @@ def parse_fleet(out: str, argv: list[str]) -> list[Row]:
                 _fleet_goal(r, "idle"),
             ),
         ]
+        p = r.get("idle_polls")
+        if p and p["polls"] and r["mode"] != "webhook":
+            rows.append(
+                Row(
+                    "fleet",
+                    f"{tag}: poll cost while idle (one poller for the installation)",
+                    f"{p['polls']} polls, {p['calls_per_poll_median']} requests a poll "
+                    f"({p['calls_304_per_poll_median']} 304s); {p['repos_read']} repositories "
+                    f"read within {p['sweep_seconds']} s",
+                    "",
+                    "",
+                    "",
+                )
+            )
     return rows
 
 

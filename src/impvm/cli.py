@@ -99,6 +99,23 @@ def operator(
             "deliveries were lost.",
         ),
     ] = 300.0,
+    poll_calls_per_hour: Annotated[
+        float,
+        typer.Option(
+            min=60.0,
+            help="Requests an hour the job poller of one GitHub installation may make, 304s "
+            "included (it reads the repositories of all the installation's pools).",
+        ),
+    ] = 18000.0,
+    poll_rate_limit_share: Annotated[
+        float,
+        typer.Option(
+            min=0.01,
+            max=1.0,
+            help="Share of an installation's rate limit (each of GitHub's hourly windows) the "
+            "job poller may spend; JIT configs and runner listings use the rest.",
+        ),
+    ] = 0.5,
     leader_elect: Annotated[
         bool,
         typer.Option(
@@ -135,11 +152,15 @@ def operator(
     KUBECONFIG or in-cluster."""
     from impvm.operator.context import OperatorSettings
     from impvm.operator.main import main as operator_main
+    from impvm.scaling.pollbudget import PollBudget
 
     settings = OperatorSettings(
         github_api_url=github_api_url,
         node_lost_grace_seconds=node_lost_grace_seconds,
         webhook_safety_poll_seconds=webhook_safety_poll_seconds,
+        poll_budget=PollBudget(
+            calls_per_hour=poll_calls_per_hour, rate_limit_share=poll_rate_limit_share
+        ),
         leader_elect=leader_elect,
         leader_lease_seconds=leader_lease_seconds,
         advertise_url=advertise_url,

@@ -195,3 +195,46 @@ async def test_metrics_use_templated_endpoints(standin: StandIn, client: GitHubC
     assert value("impvm_github_api_calls_total", endpoint=endpoint, method="GET", status="304") >= 1
     assert value("impvm_github_token_mints_total", result="ok") == mints_before + 1
     assert value("impvm_github_rate_limit_remaining", resource="core") > 0
+
+
+async def test_every_poll_read_is_conditional_and_counts_its_304s(
+    standin: StandIn, client: GitHubClient
+) -> None:
+    """The three reads a poll makes (installation repositories, runs by status, a run's jobs)
+    send If-None-Match once they hold an ETag, and count GitHub's 304 as such; a change is a
+    200 again."""
+    job = standin.state.queue_job(REPO, ["self-hosted", "linux"])
+    reads = {
+        "/installation/repositories": client.read_installation_repos,
+        "/repos/{owner}/{repo}/actions/runs": lambda: client.read_runs(REPO, "queued"),
+        "/repos/{owner}/{repo}/actions/runs/{run_id}/jobs": lambda: client.read_run_jobs(
+            REPO, job.run_id
+        ),
+    }
+    for path, read in reads.items():
+        first = await read()
+        second = await read()
+        assert (first.calls, first.not_modified, first.unchanged) == (1, 0, False), path
+        assert (second.calls, second.not_modified, second.unchanged) == (1, 1, True), path
+        assert second.items == first.items, path
+        log = api_requests(standin, path)
+        assert [(r["status"], r["conditional"]) for r in log] == [(200, False), (304, True)]
+    standin.state.queue_job(REPO, ["self-hosted", "linux"])
+    changed = await client.read_runs(REPO, "queued")
+    assert (changed.calls, changed.not_modified, len(changed.items)) == (1, 0, 2)
+
+
+async def test_a_list_over_pages_is_unchanged_only_when_every_page_was_304(
+    standin: StandIn, credentials: AppCredentials
+) -> None:
+    client = GitHubClient(credentials, api_url=standin.url, page_size=2)
+    for i in range(5):
+        standin.state.add_repo(f"{ORG}/paged-{i}")
+    first = await client.read_installation_repos()
+    again = await client.read_installation_repos()
+    assert (first.calls, first.not_modified) == (3, 0)
+    assert (again.calls, again.not_modified, again.unchanged) == (3, 3, True)
+    standin.state.add_repo(f"{ORG}/paged-5")
+    grown = await client.read_installation_repos()
+    assert len(grown.items) == 7 and not grown.unchanged
+    await client.close()

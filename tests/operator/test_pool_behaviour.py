@@ -309,3 +309,25 @@ async def test_pools_of_one_installation_share_one_client_and_its_tokens(env: Po
     a = await env.ctx.github.client(env.ns, Platform.model_validate(first))
     b = await env.ctx.github.client(env.ns, Platform.model_validate(second["spec"]["platform"]))
     assert a is b
+
+
+async def test_polling_pools_of_one_installation_share_each_poll(env: PoolEnv) -> None:
+    """Two polling pools of one installation: the second pool's passes are answered by the poll
+    the first one's started (one poll per interval, not one per pool), and both see its job."""
+    await env.ready_pool()
+    other = "ci-pool-2"
+    await env.create_pool(other)
+    second = PoolReconciler(env.ctx)
+    polls = lambda: len(env.requests("GET", RUNS_PATH))  # noqa: E731
+    await env.run_pass()
+    after_first = polls()
+    assert after_first == 2  # queued and in_progress of the one repository
+    await second.reconcile((env.ns, other))
+    assert polls() == after_first  # the first poll answered the second pool
+    env.standin.state.queue_job(REPO, ["self-hosted", "imp"])
+    await env.pass_after(31)
+    await second.reconcile((env.ns, other))
+    assert polls() == 2 * after_first  # one more poll, for both
+    a = (await env.status())["lastPoll"]
+    b = (await env.kube.get(ImpVMRunnerPoolResource, other, namespace=env.ns)).to_dict()
+    assert b["status"]["lastPoll"] == a and a["queuedJobs"] == 1

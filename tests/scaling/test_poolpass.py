@@ -20,9 +20,11 @@ from impvm.scaling.nodes import NodeLease
 from impvm.scaling.pool import Reason
 from impvm.scaling.poolpass import (
     Outcome,
+    PollRequest,
     PoolPlan,
     decide,
     github_condition,
+    poll_since,
     poll_wanted,
     settle,
 )
@@ -357,6 +359,38 @@ def test_webhook_mode_safety_poll_period_is_the_setting() -> None:
     assert poll_wanted(dataclasses.replace(w, poll=PollState(MONO - 119))) is None
     why = poll_wanted(dataclasses.replace(w, poll=PollState(MONO - 120)))
     assert why is not None and "safety poll every 120s" in why
+
+
+def test_a_poll_request_says_from_when_a_shared_poll_answers_it() -> None:
+    """Pools of one installation share polls: a request is answered by a poll that started
+    when it fell due (or later), and the pool's last poll becomes that poll's start."""
+    first = world(pool=polling_pool())
+    assert decide(first).poll == PollRequest("first poll since the operator started", None)
+    due = dataclasses.replace(first, poll=PollState(MONO - 45))
+    req = decide(due).poll
+    assert req is not None and req.since == MONO - 15  # due 15 s ago: a poll since then serves
+    busy = dataclasses.replace(
+        first,
+        poll=PollState(MONO - 10),
+        github=GitHubView(connected=True, runners=(reg(1, "aaaaaa", busy=True),)),
+    )
+    assert poll_since(busy) == MONO  # the queue changed now: only a new poll will do
+    shared = first.after_poll(PollOutcome(time=NOW, started=MONO - 3), 0, {})
+    assert shared.poll.last_poll == MONO - 3
+
+
+def test_webhook_mode_polls_again_until_the_first_sweep_read_every_repository() -> None:
+    hook = pool_obj(mode="webhook", webhook={"secretRef": {"name": "hook"}})
+    w = world(pool=hook, settings=PassSettings(resync_seconds=10))
+    partial = w.after_poll(PollOutcome(time=NOW, started=MONO, swept=False), 0, {})
+    assert not partial.poll.swept
+    later = dataclasses.replace(partial, mono=MONO + 10, polled=None)
+    assert poll_wanted(later) == (
+        "the first poll has not read every repository yet (start-up sweep)"
+    )
+    assert poll_since(later) == MONO + 10
+    done = dataclasses.replace(later, poll=PollState(MONO, swept=True))
+    assert poll_wanted(done) is None  # then only the safety poll
 
 
 def test_low_budget_pauses_polling_not_minting() -> None:

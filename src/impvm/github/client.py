@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Generic, Literal, TypeVar, cast
 
 import httpx
 from githubkit import GitHub, Response, UnauthAuthStrategy
@@ -197,6 +197,23 @@ class RateLimitBucket:
 
 
 @dataclass(frozen=True)
+class Listed(Generic[T]):
+    """A list read page by page with conditional requests: the ``items``, the requests made
+    (``calls``, one per page) and how many of them GitHub answered 304 Not Modified
+    (``not_modified``; the kept answer was used). ``unchanged``: every page was a 304, so the
+    list is what it was at the last read (source: REST "Best practices for using the REST
+    API", use conditional requests)."""
+
+    items: list[T]
+    calls: int
+    not_modified: int
+
+    @property
+    def unchanged(self) -> bool:
+        return self.calls > 0 and self.not_modified == self.calls
+
+
+@dataclass(frozen=True)
 class RetryPolicy:
     """Retry bounds (seconds). Transient failures (5xx, timeouts, connection errors) are retried
     ``max_transient_retries`` times with full-jitter exponential backoff
@@ -310,7 +327,9 @@ class GitHubClient:
     pool's ``platform.serverURL`` (see :func:`api_base_url`); ``api_url`` overrides the computed
     base. ``timeout`` is seconds per request. ``sleep``/``clock``/``rng`` are injectable for
     tests (defaults: ``asyncio.sleep``, ``time.time``, ``random.random``). ``page_size`` is the
-    ``per_page`` of list calls (GitHub max 100).
+    ``per_page`` of list calls (GitHub max 100). ``etag_cache_size`` bounds the conditional-
+    request cache (entries, least recently used dropped): a poll of 500 repositories keeps two
+    run listings each, so it must hold more than the pages one poll sweep reads.
 
     Each method requests an installation token with only the permissions it needs (e.g. JIT for
     an org: ``organization_self_hosted_runners: write``; repo: ``administration: write``;
@@ -335,7 +354,7 @@ class GitHubClient:
         rng: Callable[[], float] = random.random,
         token_refresh_margin: float = 300.0,
         page_size: int = 100,
-        etag_cache_size: int = 1024,
+        etag_cache_size: int = 16384,
     ) -> None:
         self._shared = _Shared(
             credentials,
@@ -592,6 +611,14 @@ class GitHubClient:
         self, endpoint: str, perms: Permissions, cache_key: Hashable, fetch: Fetch[T]
     ) -> T:
         """GET with ETag revalidation: a 304 returns the cached parsed body."""
+        data, _ = await self._get_conditional(endpoint, perms, cache_key, fetch)
+        return data
+
+    async def _get_conditional(
+        self, endpoint: str, perms: Permissions, cache_key: Hashable, fetch: Fetch[T]
+    ) -> tuple[T, bool]:
+        """GET with ``If-None-Match`` when an ETag of ``cache_key`` is kept: returns the body
+        and whether GitHub answered 304 (the kept body is returned then)."""
         shared = self._shared
         key = (cache_key, permissions_key(perms))
         cached = shared.etags.get(key)
@@ -599,7 +626,7 @@ class GitHubClient:
         resp = await self._send(endpoint, "GET", perms, fetch, extra_headers=extra)
         if resp.status_code == 304 and cached is not None:
             shared.etags.move_to_end(key)
-            return cast(T, cached[1])
+            return cast(T, cached[1]), True
         data = resp.parsed_data
         etag = resp.headers.get("etag")
         if etag:
@@ -607,7 +634,7 @@ class GitHubClient:
             shared.etags.move_to_end(key)
             while len(shared.etags) > shared.etag_cache_size:
                 shared.etags.popitem(last=False)
-        return data
+        return data, False
 
     async def _paginate(
         self,
@@ -619,17 +646,36 @@ class GitHubClient:
         total: Callable[[Any], int],
     ) -> list[Any]:
         """Read all pages (``per_page`` = page size) until a short page or ``total_count``."""
+        listed = await self._paginate_conditional(
+            endpoint, perms, cache_key, fetch_page, items, total
+        )
+        return listed.items
+
+    async def _paginate_conditional(
+        self,
+        endpoint: str,
+        perms: Permissions,
+        cache_key: Hashable,
+        fetch_page: Callable[[int, int, dict[str, str]], Awaitable[Response[Any, Any]]],
+        items: Callable[[Any], Sequence[Any]],
+        total: Callable[[Any], int],
+    ) -> Listed[Any]:
+        """:meth:`_paginate`, counting the requests and the 304s among them."""
         size = self._shared.page_size
         out: list[Any] = []
-        page = 1
+        page = calls = not_modified = 0
         while True:
+            page += 1
             fetch: Fetch[Any] = functools.partial(fetch_page, page, size)
-            data = await self._get(endpoint, perms, (cache_key, page, size), fetch)
+            data, cached = await self._get_conditional(
+                endpoint, perms, (cache_key, page, size), fetch
+            )
+            calls += 1
+            not_modified += cached
             batch = items(data)
             out.extend(batch)
             if len(batch) < size or len(out) >= total(data):
-                return out
-            page += 1
+                return Listed(out, calls, not_modified)
 
     # ------------------------------------------------------------------ runner groups
 
@@ -866,9 +912,13 @@ class GitHubClient:
     async def list_runs(self, repo: str, status: RunStatus) -> list[WorkflowRun]:
         """Workflow runs of ``repo`` (``owner/name``) with ``status`` (all pages, ETag).
         Needs ``actions: read``. Source: REST "Workflow runs", list workflow runs for a repo."""
+        return (await self.read_runs(repo, status)).items
+
+    async def read_runs(self, repo: str, status: RunStatus) -> Listed[WorkflowRun]:
+        """:meth:`list_runs` with the requests it made and the 304s among them."""
         gh = self._shared.gh
         owner, name = self._split(repo)
-        models = await self._paginate(
+        listed = await self._paginate_conditional(
             "/repos/{owner}/{repo}/actions/runs",
             self._perms({"actions": "read"}),
             ("runs", repo, status),
@@ -878,16 +928,22 @@ class GitHubClient:
             lambda d: d.workflow_runs,
             lambda d: d.total_count,
         )
-        return [self._run(m) for m in models]
+        return Listed([self._run(m) for m in listed.items], listed.calls, listed.not_modified)
 
     async def list_run_jobs(
         self, repo: str, run_id: int, filter: Literal["latest", "all"] = "latest"
     ) -> list[WorkflowJob]:
         """Jobs of a workflow run (all pages, ETag). ``filter``: ``latest`` attempt or ``all``.
         Needs ``actions: read``. Source: REST "Workflow jobs", list jobs for a workflow run."""
+        return (await self.read_run_jobs(repo, run_id, filter)).items
+
+    async def read_run_jobs(
+        self, repo: str, run_id: int, filter: Literal["latest", "all"] = "latest"
+    ) -> Listed[WorkflowJob]:
+        """:meth:`list_run_jobs` with the requests it made and the 304s among them."""
         gh = self._shared.gh
         owner, name = self._split(repo)
-        models = await self._paginate(
+        listed = await self._paginate_conditional(
             "/repos/{owner}/{repo}/actions/runs/{run_id}/jobs",
             self._perms({"actions": "read"}),
             ("jobs", repo, run_id, filter),
@@ -897,7 +953,7 @@ class GitHubClient:
             lambda d: d.jobs,
             lambda d: d.total_count,
         )
-        return [self._job(m) for m in models]
+        return Listed([self._job(m) for m in listed.items], listed.calls, listed.not_modified)
 
     async def get_run(self, repo: str, run_id: int) -> WorkflowRun | None:
         """One workflow run, ``None`` on 404. Source: REST "Workflow runs", get a run."""
@@ -936,8 +992,12 @@ class GitHubClient:
     async def list_installation_repos(self) -> list[Repository]:
         """Repositories the installation can access (all pages, ETag).
         Source: REST "Installations", list repositories accessible to the app installation."""
+        return (await self.read_installation_repos()).items
+
+    async def read_installation_repos(self) -> Listed[Repository]:
+        """:meth:`list_installation_repos` with the requests it made and the 304s among them."""
         gh = self._shared.gh
-        models = await self._paginate(
+        listed = await self._paginate_conditional(
             "/installation/repositories",
             self._perms({"metadata": "read"}),
             ("installation-repos",),
@@ -947,7 +1007,7 @@ class GitHubClient:
             lambda d: d.repositories,
             lambda d: d.total_count,
         )
-        return [
+        repos = [
             Repository(
                 id=int(m.id),
                 full_name=str(m.full_name),
@@ -955,8 +1015,9 @@ class GitHubClient:
                 name=str(m.name),
                 private=bool(m.private),
             )
-            for m in models
+            for m in listed.items
         ]
+        return Listed(repos, listed.calls, listed.not_modified)
 
     async def rate_limit(self) -> dict[str, RateLimitBucket]:
         """``GET /rate_limit``: buckets by resource (``core``, ``search``, ...). Does not count

@@ -15,8 +15,10 @@ from impvm.api.times import Clock, as_clock
 from impvm.events import EventRecorder
 from impvm.github import RetryPolicy
 from impvm.operator.credentials import GitHubProvider
+from impvm.operator.poller import Pollers
 from impvm.operator.sources import KubeSource
 from impvm.scaling.jobtable import JobTable, PoolScope
+from impvm.scaling.pollbudget import PollBudget
 from impvm.scaling.timings import TimingWindow
 from impvm.scaling.world import BackoffState, PassSettings, PollState, WarmPoolMemory
 
@@ -61,6 +63,8 @@ class OperatorSettings:
     poll_budget_floor: float = 0.2
     #: seconds between the safety polls of a webhook-mode pool (lost deliveries)
     webhook_safety_poll_seconds: float = 300.0
+    #: requests the job poller of one installation may make (:mod:`impvm.scaling.pollbudget`)
+    poll_budget: PollBudget = field(default_factory=PollBudget)
     #: seconds a resolved runner-group id is reused
     runner_group_ttl: float = 300.0
     #: seconds past an agent Lease's duration before its node's VMs are given up
@@ -107,6 +111,8 @@ class OperatorContext:
         self.clock = as_clock(clock)
         self.pools: dict[PoolKey, PoolMemory] = {}
         self.jobs = JobTable()
+        #: one job poller per installation, shared by its pools
+        self.pollers = Pollers(self.jobs, self.clock, self.settings.poll_budget)
         self.events = EventRecorder(kube, component="impvm-operator")
         self.sources = KubeSource(kube)
         s = self.settings

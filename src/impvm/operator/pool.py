@@ -21,9 +21,8 @@ from impvm.github import GitHubClient
 from impvm.github.errors import GitHubError
 from impvm.operator.context import OperatorContext
 from impvm.operator.credentials import scope_of
-from impvm.operator.demand import poll_jobs
 from impvm.operator.execute import PlanExecutor, failure_of
-from impvm.operator.metrics import POLL_CALLS, record_pool
+from impvm.operator.metrics import record_pool
 from impvm.operator.verify import VerifyKeyError, secret_of, verify_key
 from impvm.scaling import timings
 from impvm.scaling.jobtable import Job, PoolScope
@@ -63,7 +62,7 @@ class PoolReconciler:
         world = self._arrivals(world)
         plan = decide(world)
         if plan.poll is not None and github is not None:
-            world = self._arrivals(await self._poll(world, github))
+            world = self._arrivals(await self._poll(world, github, plan.poll.since))
             plan = decide(world)
         log.debug(
             "pool %s/%s: %d acts: %s", *key, plan.acts, plan.sizing and plan.sizing.create_reason
@@ -198,24 +197,29 @@ class PoolReconciler:
         found = tuple(jobs.arrivals(scope.key, self.ctx.scopes(), cursor))
         return replace(world, arrivals=found, arrivals_read=read)
 
-    async def _poll(self, world: PoolWorld, github: GitHubClient) -> PoolWorld:
-        """Poll GitHub for the scope's jobs into the job table (stale jobs swept); returns the
-        world with the job table re-read."""
-        pool, jobs, clock = world.pool, self.ctx.jobs, self.ctx.clock
-        try:
-            r = await poll_jobs(github, scope_of(pool.spec.platform), clock.now())
-        except GitHubError as e:
-            outcome = PollOutcome(time=clock.now(), failure=failure_of(e))
+    async def _poll(self, world: PoolWorld, github: GitHubClient, since: float | None) -> PoolWorld:
+        """Ask the installation's poller (:mod:`impvm.operator.poller`) for a poll of the
+        pool's scope that started at ``since`` or later (it fills the job table and sweeps
+        stale jobs); returns the world with that poll's outcome and the job table re-read."""
+        scope = scope_of(world.pool.spec.platform)
+        poller = self.ctx.pollers.of(github)
+        report = await poller.poll(scope, since)
+        if report.failure is not None:
+            outcome = PollOutcome(
+                time=report.finished_at,
+                failure=failure_of(report.failure),
+                started=report.started,
+                swept=report.swept,
+            )
         else:
-            for job in r.jobs:
-                jobs.apply(job)
-            dropped = jobs.sweep(r.repositories, r.queued_ids, r.started_at, r.open_ids)
-            if dropped:
-                log.info("pool %s/%s: dropped %d stale job(s)", *pool.key, len(dropped))
-            POLL_CALLS.inc(r.api_calls)
-            queued = len(r.queued_ids)
-            outcome = PollOutcome(time=clock.now(), queued=queued, api_calls=r.api_calls)
-        return world.after_poll(outcome, *self._jobs(pool, world.vms))
+            outcome = PollOutcome(
+                time=report.finished_at,
+                queued=poller.queued(scope),
+                api_calls=report.api_calls,
+                started=report.started,
+                swept=report.swept,
+            )
+        return world.after_poll(outcome, *self._jobs(world.pool, world.vms))
 
 
 def _budget(client: GitHubClient) -> RateBudget | None:

@@ -104,6 +104,7 @@ __all__ = [
     "decide",
     "github_condition",
     "jit_secret_manifest",
+    "poll_since",
     "poll_wanted",
     "settle",
     "vm_manifest",
@@ -139,9 +140,12 @@ class EventSpec:
 
 @dataclass(frozen=True, slots=True)
 class PollRequest:
-    """Poll GitHub for the scope's jobs now (``why``: a sentence), then decide again."""
+    """Poll GitHub for the scope's jobs now (``why``: a sentence), then decide again. ``since``
+    (monotonic s): a poll of the installation that started then or later answers it (None: any
+    poll since the operator started), so the pools of an installation share polls."""
 
     why: str
+    since: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -409,9 +413,11 @@ def poll_wanted(world: PoolWorld) -> str | None:
 
     Polls in polling/hybrid mode every ``polling.intervalSeconds`` (sooner when a runner became
     busy: a queued job was taken); in webhook mode once at start (an operator restart loses no
-    job) and every ``webhook_safety_poll_seconds`` (a queued job whose later deliveries were
-    lost must not keep a VM forever); never in manual mode, nor twice in one pass, nor while
-    GitHub is failing. The rate-limit budget is not considered here (see :func:`decide`)."""
+    job; every ``resync_seconds`` until the installation's poller read every repository once,
+    as a large organisation takes several polls) and every ``webhook_safety_poll_seconds`` (a
+    queued job whose later deliveries were lost must not keep a VM forever); never in manual
+    mode, nor twice in one pass, nor while GitHub is failing. The rate-limit budget is not
+    considered here (see :func:`decide`)."""
     scaling = world.pool.spec.scaling
     mode = scaling.mode if scaling else "manual"
     g = world.github
@@ -436,7 +442,30 @@ def poll_wanted(world: PoolWorld) -> str | None:
     safety = world.settings.webhook_safety_poll_seconds
     if mode == "webhook" and since >= safety:
         return f"{since:.0f}s since the last poll (webhook-mode safety poll every {safety:.0f}s)"
+    if mode == "webhook" and not world.poll.swept and since >= world.settings.resync_seconds:
+        return "the first poll has not read every repository yet (start-up sweep)"
     return None
+
+
+def poll_since(world: PoolWorld) -> float | None:
+    """From when a poll answers the one :func:`poll_wanted` asks for (monotonic s): any poll
+    since the start for the first; the moment it fell due for an interval or safety poll (a
+    poll another pool of the installation started since then serves it too); now when a runner
+    became busy (the queue changed now). Pure."""
+    last = world.poll.last_poll
+    if last is None:
+        return None
+    scaling = world.pool.spec.scaling
+    polling = scaling.polling if scaling else None
+    mode = scaling.mode if scaling else "manual"
+    since = world.mono - last
+    if mode in ("polling", "hybrid") and polling is not None and polling.enabled:
+        if since >= polling.interval_seconds:
+            return last + polling.interval_seconds
+        return world.mono
+    if not world.poll.swept:
+        return min(world.mono, last + world.settings.resync_seconds)
+    return min(world.mono, last + world.settings.webhook_safety_poll_seconds)
 
 
 def _lost_nodes(
@@ -651,7 +680,7 @@ def decide(world: PoolWorld) -> PoolPlan:
         return _finish(world, PoolPlan(events=(EventSpec("InvalidSpec", str(e), True),)))
     why = poll_wanted(world)
     if why is not None and not _budget_low(world):
-        return PoolPlan(poll=PollRequest(why))
+        return PoolPlan(poll=PollRequest(why, poll_since(world)))
 
     events: list[EventSpec] = []
     try:

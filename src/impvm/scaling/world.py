@@ -284,21 +284,30 @@ class BackoffState:
 
 @dataclass(frozen=True, slots=True)
 class PollState:
-    """When the pool last polled GitHub for jobs (monotonic s; None: never) and which of its
-    runners were busy then (a change means a queued job was taken: poll again)."""
+    """When the poll that last answered the pool started (monotonic s; None: never) and which
+    of its runners were busy then (a change means a queued job was taken: poll again)."""
 
     last_poll: float | None = None
     busy_at_poll: frozenset[str] = frozenset()
+    #: whether every repository of the installation had been read once by then (a large
+    #: organisation is read over several polls, within the installation's budget)
+    swept: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PollOutcome:
-    """This pass's poll: when it finished, what it saw and cost, or why it failed."""
+    """The poll that answered this pass (the installation's, shared by its pools): when it
+    finished, what it saw and cost, or why it failed; ``started``: when it started (monotonic
+    s; None: this pass's reading), which becomes the pool's ``PollState.last_poll``, so pools
+    served by one poll fall due together and share the next one too; ``swept``: every
+    repository of the installation had been read once when it finished."""
 
     time: dt.datetime
     queued: int = 0
     api_calls: int = 0
     failure: GitHubFailure | None = None
+    started: float | None = None
+    swept: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -385,10 +394,11 @@ class PoolWorld:
     ) -> PoolWorld:
         """This world once the poll it asked for ran (the job table's view re-read)."""
         busy = frozenset(r.name for r in self.github.runners or () if r.busy)
+        at = self.mono if outcome.started is None else outcome.started
         return replace(
             self,
             polled=outcome,
-            poll=PollState(self.mono, busy),
+            poll=PollState(at, busy, outcome.swept),
             pending_jobs=pending_jobs,
             running_jobs=running_jobs,
         )

@@ -109,6 +109,22 @@ class OperatorConfig(_Model):
         description="HOST:PORT of POST /webhooks/github, GET /metrics and GET /healthz.",
     )
     node_lost_grace_seconds: float = Field(default=60.0, ge=0, alias="nodeLostGraceSeconds")
+    poll_calls_per_hour: float = Field(
+        default=18000.0,
+        ge=60,
+        alias="pollCallsPerHour",
+        description="Requests an hour the job poller of one GitHub installation may make, 304s "
+        "included; it reads the repositories of all the installation's polling pools, busy "
+        "ones every poll and the rest in turn (docs/architecture.md, Polling).",
+    )
+    poll_rate_limit_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        alias="pollRateLimitShare",
+        description="Share of the installation's rate limit (GitHub's hourly window) the job "
+        "poller may spend; JIT configs and runner listings use the rest.",
+    )
 
     @field_validator("listen")
     @classmethod

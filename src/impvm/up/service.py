@@ -379,6 +379,10 @@ class Service:
             str(port),
             "--node-lost-grace-seconds",
             str(self.config.operator.node_lost_grace_seconds),
+            "--poll-calls-per-hour",
+            str(self.config.operator.poll_calls_per_hour),
+            "--poll-rate-limit-share",
+            str(self.config.operator.poll_rate_limit_share),
             "--advertise-url",
             f"http://{_near(host)}:{port}",
         ]

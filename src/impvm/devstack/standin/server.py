@@ -303,7 +303,13 @@ async def github_middleware(
     if request.path.startswith("/_standin"):
         return await handler(request)
     path = _template(request)
-    entry: dict[str, Any] = {"method": request.method, "path": path, "time": time.time()}
+    entry: dict[str, Any] = {
+        "method": request.method,
+        "path": path,
+        "url": request.path,
+        "time": time.time(),
+        "conditional": "If-None-Match" in request.headers,
+    }
     state.requests.append(entry)
     bucket: RateBucket | None = None
     try:
