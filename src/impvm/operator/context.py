@@ -9,13 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightkube import AsyncClient
+from lightkube.resources.core_v1 import Secret
 
 from impvm.api.models import AGENT_LEASE_NAMESPACE, PoolKey
 from impvm.api.times import Clock, as_clock
 from impvm.events import EventRecorder
 from impvm.github import RetryPolicy
 from impvm.operator.credentials import GitHubProvider
-from impvm.operator.sources import KubeSource
+from impvm.operator.sources import CachedSource, KubeSource
 from impvm.scaling.jobtable import JobTable, PoolScope
 from impvm.scaling.timings import TimingWindow
 from impvm.scaling.world import BackoffState, PassSettings, PollState, WarmPoolMemory
@@ -108,11 +109,29 @@ class OperatorContext:
         self.pools: dict[PoolKey, PoolMemory] = {}
         self.jobs = JobTable()
         self.events = EventRecorder(kube, component="impvm-operator")
-        self.sources = KubeSource(kube)
+        self.sources: KubeSource = KubeSource(kube)
         s = self.settings
         self.github = GitHubProvider(
-            kube, api_url=s.github_api_url, timeout=s.github_timeout, retry=s.github_retry
+            kube,
+            api_url=s.github_api_url,
+            timeout=s.github_timeout,
+            retry=s.github_retry,
+            secrets=lambda ns, name: self.sources.get(Secret, name, ns),
         )
+
+    def use_caches(self, namespaces: list[str] | None = None) -> CachedSource:
+        """Read from watch caches (started by the caller: ``await ctx.sources.start()``) whose
+        changes wake the pools concerned. ``namespaces``: those watched (empty: all)."""
+        cached = CachedSource(
+            self.kube,
+            namespaces,
+            on_vm=lambda ns, pool: self.wake_known(PoolKey(ns, pool)),
+            on_template=lambda ns, name: self.wake_using(ns, name, None),
+            on_class=lambda _, name: self.wake_using(None, None, name),
+            on_pool=lambda ns, name: self.wake_known(PoolKey(ns, name)),
+        )
+        self.sources = cached
+        return cached
 
     def pool(self, key: PoolKey) -> PoolMemory:
         """Memory of one pool (created on first use)."""
@@ -130,6 +149,12 @@ class OperatorContext:
         """Make the pool's reconcile loop run now rather than at its next tick."""
         self.pool(key).wake.set()
 
+    def wake_known(self, key: PoolKey) -> None:
+        """Wake the pool if this process runs passes for it (else nothing is remembered)."""
+        mem = self.pools.get(PoolKey(*key))
+        if mem is not None:
+            mem.wake.set()
+
     def wake_using(self, namespace: str | None, template: str | None, vm_class: str | None) -> None:
         """Wake every pool whose last pass used ``template`` (in ``namespace``) or ``vm_class``
         (an edit may make its VMs outdated)."""
@@ -140,5 +165,6 @@ class OperatorContext:
                 mem.wake.set()
 
     async def close(self) -> None:
-        """Close every GitHub client."""
+        """Stop the watch caches; close every GitHub client."""
+        await self.sources.close()
         await self.github.close()

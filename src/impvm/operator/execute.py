@@ -78,7 +78,7 @@ class PlanExecutor:
             patch = kube.patch(
                 ImpVMResource, r.name, {"metadata": meta}, namespace=self.ns, patch_type=MERGE
             )
-            await self._tolerate(patch, r.event)
+            await self._tolerate(self._vm_written(patch), r.event)
         nodes = {v.name: v.spec.node_name or "" for v in self.world.vms}
         for p in plan.lost:
             await self._tolerate(self._patch_status(p.name, p.status), p.event)
@@ -136,6 +136,7 @@ class PlanExecutor:
             return
         deleted = self.ctx.kube.delete(ImpVMResource, d.name, namespace=self.ns)
         if await self._tolerate(deleted, d.done):
+            self.ctx.sources.vm_deleted(self.ns, d.name)
             created = {v.name: v.created_at for v in self.world.vms}.get(d.name)
             if created is not None:
                 lived = max(0.0, (self.world.now - created).total_seconds())
@@ -166,6 +167,7 @@ class PlanExecutor:
         name = vm_name(self.world.pool.prefix, pysecrets.token_hex(3))
         body = vm_manifest(self.world.pool, plan.new_vm, name)
         created = (await self.ctx.kube.create(ImpVMResource.from_dict(body))).to_dict()
+        self.ctx.sources.written(ImpVMResource, created)
         return name, str(created["metadata"]["uid"])
 
     async def _mint(self, m: Mint) -> Outcome | None:
@@ -195,7 +197,8 @@ class PlanExecutor:
             return Outcome(failure=failure)
         body = jit_secret_manifest(self.world.pool, m, jit.encoded_jit_config.get_secret_value())
         try:
-            await self.ctx.kube.create(cast(Secret, Secret.from_dict(body)))
+            made = await self.ctx.kube.create(cast(Secret, Secret.from_dict(body)))
+            self.ctx.sources.written(Secret, made.to_dict())
         except ApiError as e:
             if e.status.code != 409:
                 metrics.JIT_MINTS.labels(*self.key, "SecretWriteFailed").inc()
@@ -221,22 +224,34 @@ class PlanExecutor:
     async def _record(self, vm: str, secret: str) -> None:
         """Record the JIT Secret's name in the VM's ``spec.runnerConfigSecret``."""
         patch = {"spec": {"runnerConfigSecret": secret}}
-        await self.ctx.kube.patch(ImpVMResource, vm, patch, namespace=self.ns, patch_type=MERGE)
+        await self._vm_written(
+            self.ctx.kube.patch(ImpVMResource, vm, patch, namespace=self.ns, patch_type=MERGE)
+        )
 
     async def _patch_status(self, name: str, status: Mapping[str, Any]) -> None:
         patch = {"status": dict(status)}
-        await self.ctx.kube.patch(
-            ImpVMResource.Status, name, patch, namespace=self.ns, patch_type=MERGE
+        await self._vm_written(
+            self.ctx.kube.patch(
+                ImpVMResource.Status, name, patch, namespace=self.ns, patch_type=MERGE
+            )
         )
+
+    async def _vm_written(self, write: Awaitable[Any]) -> None:
+        """Await a VM write and hand the VM it returned to the caches (own writes)."""
+        obj = await write
+        if obj is not None:
+            self.ctx.sources.written(ImpVMResource, obj.to_dict())
 
     async def write_status(
         self, status: Mapping[str, Any], ours: tuple[Mapping[str, Any], ...]
     ) -> None:
         """Patch the pool's status. Other writers (the reaper) own other condition types: ours
         are merged into what is stored now, guarded by resourceVersion, retried on conflict."""
-        name = self.world.pool.name
-        for _ in range(5):
-            cur = await self.ctx.sources.get(ImpVMRunnerPoolResource, name, self.ns)
+        name, src = self.world.pool.name, self.ctx.sources
+        for attempt in range(5):
+            # the cache first; after a conflict, the API server's current version
+            read = src.get if attempt == 0 else src.api_get
+            cur = await read(ImpVMRunnerPoolResource, name, self.ns)
             if cur is None:
                 return
             stored = (cur.get("status") or {}).get("conditions") or []
@@ -245,9 +260,10 @@ class PlanExecutor:
             }
             body["status"] = {**status, "conditions": merge_conditions(stored, ours)}
             try:
-                await self.ctx.kube.patch(
+                done = await self.ctx.kube.patch(
                     ImpVMRunnerPoolResource.Status, name, body, namespace=self.ns, patch_type=MERGE
                 )
+                src.written(ImpVMRunnerPoolResource, done.to_dict())
                 return
             except ApiError as e:
                 if e.status.code == 404:
