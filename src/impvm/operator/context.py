@@ -16,6 +16,7 @@ from impvm.api.times import Clock, as_clock
 from impvm.events import EventRecorder
 from impvm.github import RetryPolicy
 from impvm.operator.credentials import GitHubProvider
+from impvm.operator.runners import RunnerDirectory
 from impvm.operator.sources import CachedSource, KubeSource
 from impvm.scaling.jobtable import JobTable, PoolScope
 from impvm.scaling.timings import TimingWindow
@@ -64,6 +65,10 @@ class OperatorSettings:
     webhook_safety_poll_seconds: float = 300.0
     #: seconds a resolved runner-group id is reused
     runner_group_ttl: float = 300.0
+    #: the oldest shared runner list an idle pool decides from; how long a new VM's pool reads
+    #: fresh lists while it waits for its runner (:mod:`impvm.scaling.runnerlist`)
+    idle_runner_list_seconds: float = 60.0
+    runner_wait_fresh_seconds: float = 60.0
     #: seconds past an agent Lease's duration before its node's VMs are given up
     node_lost_grace_seconds: float = 60.0
     #: leader election: on (replicas > 1 safe) or off (one replica only); the Lease's name (in
@@ -87,6 +92,8 @@ class OperatorSettings:
             poll_budget_floor=self.poll_budget_floor,
             webhook_safety_poll_seconds=self.webhook_safety_poll_seconds,
             node_lost_grace_seconds=self.node_lost_grace_seconds,
+            idle_runner_list_seconds=self.idle_runner_list_seconds,
+            runner_wait_fresh_seconds=self.runner_wait_fresh_seconds,
         )
 
 
@@ -110,6 +117,8 @@ class OperatorContext:
         self.jobs = JobTable()
         self.events = EventRecorder(kube, component="impvm-operator")
         self.sources: KubeSource = KubeSource(kube)
+        #: GitHub's runner registrations, one shared list per installation and scope
+        self.runners = RunnerDirectory()
         s = self.settings
         self.github = GitHubProvider(
             kube,

@@ -13,7 +13,7 @@ import logging
 import secrets as pysecrets
 from collections.abc import Awaitable, Mapping
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Secret
@@ -43,6 +43,7 @@ from impvm.vm_metrics import record_phase
 log = logging.getLogger("impvm.operator.pool")
 
 MERGE = PatchType.MERGE
+T = TypeVar("T")
 
 
 def failure_of(err: GitHubError, vm: str | None = None) -> GitHubFailure:
@@ -88,7 +89,7 @@ class PlanExecutor:
             await self._delete(d)
         for reg in plan.registrations if self.gh else ():
             try:
-                await self.gh.delete_runner(self.scope, reg.runner_id)  # type: ignore[union-attr]
+                await self._changing(self.gh.delete_runner(self.scope, reg.runner_id))  # type: ignore[union-attr]
             except GitHubError as e:
                 log.warning("pool %s/%s: could not remove registration: %s", *self.key, e)
                 continue
@@ -99,6 +100,17 @@ class PlanExecutor:
                 for kind, seconds in s.observe:
                     metrics.OBSERVED[kind].labels(*self.key).observe(seconds)
         return outcome
+
+    async def _changing(self, call: Awaitable[T]) -> T:
+        """Await a GitHub call that may create or delete one of the pool's registrations; then
+        (also when it failed: it may have reached GitHub) no runner list begun before it is used
+        for the pool (:mod:`impvm.operator.runners`)."""
+        try:
+            return await call
+        finally:
+            if self.gh is not None:
+                mono = self.ctx.clock.monotonic()
+                self.ctx.runners.changed(self.gh, self.scope, self.world.pool.prefix, mono)
 
     @property
     def key(self) -> PoolKey:
@@ -123,7 +135,7 @@ class PlanExecutor:
         a VM that must be deregistered first is kept when GitHub cannot be asked."""
         if d.deregister and self.gh is not None and d.runner_id is not None:
             try:
-                result = await self.gh.delete_runner(self.scope, d.runner_id)
+                result = await self._changing(self.gh.delete_runner(self.scope, d.runner_id))
             except GitHubError as e:
                 if d.deregister_first:
                     log.info("keeping %s/%s: deregistration failed: %s", self.ns, d.name, e)
@@ -185,12 +197,14 @@ class PlanExecutor:
         spec = self.world.pool.spec
         try:
             if m.stale_runner_id is not None:
-                if await self.gh.delete_runner(self.scope, m.stale_runner_id) is DeleteOutcome.BUSY:
+                stale = self.gh.delete_runner(self.scope, m.stale_runner_id)
+                if await self._changing(stale) is DeleteOutcome.BUSY:
                     return Outcome()
             group = REPO_RUNNER_GROUP_ID
             if self.scope.org is not None:
                 group = await self._runner_group(self.scope.org, spec.platform.runner_group)
-            jit = await self.gh.generate_jitconfig(self.scope, m.vm, group, spec.labels)
+            minted = self.gh.generate_jitconfig(self.scope, m.vm, group, spec.labels)
+            jit = await self._changing(minted)
         except GitHubError as e:
             failure = failure_of(e, vm=m.vm)
             metrics.JIT_MINTS.labels(*self.key, failure.kind).inc()

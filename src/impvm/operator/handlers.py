@@ -80,7 +80,9 @@ async def pool_deleted(name: str, namespace: str | None, body: Any, memo: Any, *
     registrations). Busy runners are retried every 10 s, at most 30 times, then left to GitHub."""
     ctx = _ctx(memo)
     busy = await deregister_pool_runners(ctx, body)
-    ctx.pools.pop(PoolKey(namespace or "", name), None)
+    mem = ctx.pools.pop(PoolKey(namespace or "", name), None)
+    if mem is not None and mem.prefix:
+        ctx.runners.forget(mem.prefix)
     if busy:
         raise kopf.TemporaryError(f"{busy} runner(s) still busy; retrying", delay=10)
 

@@ -3,7 +3,8 @@
 (:class:`~impvm.operator.execute.PlanExecutor`), settle, write the status and Events.
 
 Every decision is in :mod:`impvm.scaling.poolpass`. Facts come from :mod:`impvm.operator.sources`
-(Kubernetes), :class:`~impvm.operator.credentials.GitHubProvider` (GitHub) and the job table.
+(Kubernetes, watch caches in the operator), :class:`~impvm.operator.credentials.GitHubProvider`
+(GitHub), the shared runner directory (:mod:`impvm.operator.runners`) and the job table.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from impvm.scaling.labels import PoolLabels
 from impvm.scaling.names import runner_prefix, secret_name
 from impvm.scaling.pool import RunnerView
 from impvm.scaling.poolpass import decide, settle, waiting_for_a_node
+from impvm.scaling.runnerlist import max_list_age
 from impvm.scaling.world import (
     ClassObj,
     GitHubView,
@@ -119,7 +121,10 @@ class PoolReconciler:
             problem = replace(world, template=template, vm_class=ClassObj.from_body(c))
             return replace(problem, verify_key_problem=str(e)), None
         missing = await self._register(pool)
-        github, view = await self._github(pool, world)
+        # how old a runner list may be depends on the VMs; the VMs decided from are read after
+        # the list (ordering: every registration listed then has its VM in the cache)
+        max_age = max_list_age(await src.vms(pool), world.now, world.settings)
+        github, view = await self._github(pool, world, max_age)
         vms = await src.vms(pool)
         # Leases matter for VMs on nodes (lost nodes) and VMs no node took (Unschedulable)
         needs = any(v.spec.node_name for v in vms) or waiting_for_a_node(replace(world, vms=vms))
@@ -161,9 +166,10 @@ class PoolReconciler:
         return ref.name if sec is None else None
 
     async def _github(
-        self, pool: PoolObj, world: PoolWorld
+        self, pool: PoolObj, world: PoolWorld, max_age: float
     ) -> tuple[GitHubClient | None, GitHubView]:
-        """The pool's client and its registrations (no call at all while backing off)."""
+        """The pool's client and its registrations from the shared runner directory, from a
+        list at most ``max_age`` seconds old (no call at all while backing off)."""
         try:
             client = await self.ctx.github.client(pool.namespace, pool.spec.platform)
         except GitHubError as e:
@@ -172,7 +178,7 @@ class PoolReconciler:
             return client, GitHubView(connected=True, skipped=True)
         scope = scope_of(pool.spec.platform)
         try:
-            found = await client.list_runners(scope, name_prefix=pool.prefix)
+            found = await self.ctx.runners.runners(client, scope, pool.prefix, max_age, world.mono)
         except GitHubError as e:
             return client, GitHubView(connected=True, failure=failure_of(e), budget=_budget(client))
         runners = tuple(

@@ -1,0 +1,66 @@
+"""How old a list of GitHub's runner registrations a pool pass may decide from, and whether a
+shared list is fresh enough for it. Pure: no I/O, no clock.
+
+A pool's registrations are read from one list per installation and scope, shared by every pool
+of it (:mod:`impvm.operator.runners`). Reading it on every pass of every pool is what made an
+idle fleet call GitHub hundreds of times a minute; the rules here say when an older list is as
+good as a new one:
+
+* a pool with a VM that waits for its runner to come online, and is younger than
+  ``runner_wait_fresh_seconds``, accepts a list at most ``busy_resync_seconds`` old: the runner
+  comes online any moment and the pool counts it ready (warm pool, time to ready);
+* any other pool (runners idle or busy, jobs and VM phases arrive through webhooks and the VM
+  watch) accepts a list up to ``idle_runner_list_seconds`` old: an idle installation makes at
+  most one list call that often (GitHub REST "Best practices": avoid polling, use conditional
+  requests);
+* never a list whose request started before the pool's last change of its own registrations
+  (a JIT config minted, a runner deleted): that list may lack the new registration, and a
+  running VM whose registration is missing is replaced (:mod:`impvm.scaling.pool`).
+
+Together with the VM cache holding every VM this operator created from the moment its create
+returned (:mod:`impvm.operator.sources`), a list used this way never holds a registration whose
+VM the pass does not see (so none is taken for an orphan), and never lacks one the pool made
+after it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from impvm.api.models import TERMINAL_PHASES
+from impvm.scaling.world import PassSettings, VMObj
+
+
+def awaits_runner(vm: VMObj) -> bool:
+    """The VM is alive, has no job and its recorded runner is not online (yet)."""
+    s = vm.status
+    if vm.deleting or s.phase in TERMINAL_PHASES or s.job is not None:
+        return False
+    return not (s.runner is not None and s.runner.online)
+
+
+def max_list_age(vms: Iterable[VMObj], now: dt.datetime, settings: PassSettings) -> float:
+    """Seconds: the oldest runner list this pass may use (see the module docstring)."""
+    for vm in vms:
+        if not awaits_runner(vm):
+            continue
+        since = vm.status.started_at or vm.created_at
+        if (now - since).total_seconds() < settings.runner_wait_fresh_seconds:
+            return settings.busy_resync_seconds
+    return settings.idle_runner_list_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """When a runner list's request started (monotonic seconds)."""
+
+    started: float
+
+    def usable(self, mono: float, max_age: float, changed_at: float | None) -> bool:
+        """Whether a pass at ``mono`` that accepts ``max_age`` seconds, and whose pool last
+        changed its registrations at ``changed_at`` (None: never), may use this list."""
+        if changed_at is not None and self.started <= changed_at:
+            return False
+        return mono - self.started <= max_age
