@@ -44,6 +44,9 @@ class PoolMemory:
     timings: TimingWindow = field(default_factory=TimingWindow)
     #: the warm pool's arrivals read, last state written and runners counted ready
     warm: WarmPoolMemory = field(default_factory=WarmPoolMemory)
+    #: the pool's, its template's and its class's parsed objects, by parser, with the
+    #: (parser, uid, resourceVersion) they were parsed from
+    parsed: dict[str, tuple[tuple[object, ...], object]] = field(default_factory=dict)
 
 
 @dataclass

@@ -41,6 +41,16 @@ class _Entry:
     result: list[Runner] | GitHubError | None = None
     running: tuple[Listing, asyncio.Future[list[Runner]]] | None = None
     changed: dict[str, float] = field(default_factory=dict)
+    #: each pool's share of ``result`` (by name prefix), made once per list
+    shares: dict[str, list[Runner]] = field(default_factory=dict)
+
+    def share(self, result: list[Runner], prefix: str) -> list[Runner]:
+        if result is not self.result:
+            return [r for r in result if r.name.startswith(prefix)]
+        found = self.shares.get(prefix)
+        if found is None:
+            found = self.shares[prefix] = [r for r in result if r.name.startswith(prefix)]
+        return found
 
 
 class RunnerDirectory:
@@ -85,7 +95,7 @@ class RunnerDirectory:
                 result = e
         if isinstance(result, GitHubError):
             raise result
-        return [r for r in result if r.name.startswith(prefix)]
+        return list(entry.share(result, prefix))
 
     def _start(
         self, entry: _Entry, client: GitHubClient, scope: Scope, mono: float
@@ -108,6 +118,7 @@ class RunnerDirectory:
             if entry.listing is None or entry.listing.started <= listing.started:
                 entry.listing = listing
                 entry.result = err if isinstance(err, GitHubError) else t.result()
+                entry.shares = {}
 
         task.add_done_callback(done)
         return task
@@ -122,3 +133,4 @@ class RunnerDirectory:
         """A pool is gone: drop what was kept for it."""
         for entry in self._entries.values():
             entry.changed.pop(prefix, None)
+            entry.shares.pop(prefix, None)

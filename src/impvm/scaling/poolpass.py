@@ -68,6 +68,7 @@ from impvm.scaling.pool import (
     parse_demand,
 )
 from impvm.scaling.pool import decide as size
+from impvm.scaling.runnerlist import fresh_wait
 from impvm.scaling.warmpool import (
     JobQueued,
     RunnerReady,
@@ -919,7 +920,10 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
         )
     _placement(world, conds, events)
     s = world.settings
-    busy = sizing.create > created or sizing.counts.starting > 0 or bool(sizing.mint_secrets)
+    # starting VMs are watched closely only while their runners are due: one stuck longer is
+    # left to the bootstrap timeout (the runner list is not re-read for it either)
+    starting = sizing.counts.starting > 0 and fresh_wait(world.vms, now, s)
+    busy = sizing.create > created or starting or bool(sizing.mint_secrets)
     requeue = s.busy_resync_seconds if busy else s.resync_seconds
     if not backoff.ready(mono):
         requeue = min(requeue, max(1.0, _wait(backoff, mono)))

@@ -41,14 +41,22 @@ def awaits_runner(vm: VMObj) -> bool:
     return not (s.runner is not None and s.runner.online)
 
 
-def max_list_age(vms: Iterable[VMObj], now: dt.datetime, settings: PassSettings) -> float:
-    """Seconds: the oldest runner list this pass may use (see the module docstring)."""
+def fresh_wait(vms: Iterable[VMObj], now: dt.datetime, settings: PassSettings) -> bool:
+    """A VM awaits its runner and started (or was created) less than
+    ``runner_wait_fresh_seconds`` ago."""
     for vm in vms:
         if not awaits_runner(vm):
             continue
         since = vm.status.started_at or vm.created_at
         if (now - since).total_seconds() < settings.runner_wait_fresh_seconds:
-            return settings.busy_resync_seconds
+            return True
+    return False
+
+
+def max_list_age(vms: Iterable[VMObj], now: dt.datetime, settings: PassSettings) -> float:
+    """Seconds: the oldest runner list this pass may use (see the module docstring)."""
+    if fresh_wait(vms, now, settings):
+        return settings.busy_resync_seconds
     return settings.idle_runner_list_seconds
 
 
