@@ -61,7 +61,10 @@ class PoolReconciler:
     async def reconcile(self, key: PoolKey | tuple[str, str]) -> float | None:
         """One pass over pool ``key``. Returns seconds until the next pass (None: pool gone)."""
         key = PoolKey(*key)
-        body = await self.ctx.sources.get(ImpVMRunnerPoolResource, key.name, key.namespace)
+        src = self.ctx.sources
+        body = await src.get(ImpVMRunnerPoolResource, key.name, key.namespace)
+        if body is None:  # the cache may not have seen a pool just created: ask the API server
+            body = await src.api_get(ImpVMRunnerPoolResource, key.name, key.namespace)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None
         world, github = await self._observe(_parsed(self.ctx.pool(key), body, PoolObj.from_body))
