@@ -351,9 +351,11 @@ class CachedSource(KubeSource):
     async def _ready(self, cache: WatchCache[Any] | None) -> WatchCache[Any] | None:
         """``cache`` once it has its first list; None (read the API) if it has none in time or
         was never started."""
-        if cache is None or not self._tasks:
+        if cache is None:
             return None
         if not cache.synced.is_set():
+            if not self._tasks:
+                return None  # not started
             try:
                 await asyncio.wait_for(cache.synced.wait(), SYNC_TIMEOUT_SECONDS)
             except TimeoutError:
