@@ -14,15 +14,19 @@ from tests.scaling.poolworld import NOW, pool_obj, reg, vm, world
 S = PassSettings()
 
 
-def test_a_pool_whose_new_vm_awaits_its_runner_reads_busy_resync_old_lists() -> None:
+def test_a_pool_whose_new_vm_awaits_its_runner_reads_fresh_lists() -> None:
     young = vm("aaaaaa", phase="Pending", created=5.0, runner=(1, False, False))
     assert awaits_runner(young)
-    assert max_list_age([young], NOW, S) == S.busy_resync_seconds
+    assert max_list_age([young], NOW, S) == S.awaiting_runner_list_seconds
+    # a job recorded from a webhook: GitHub's list has still not shown the runner up
+    took = vm("bbbbbb", created=5.0, runner=(2, False, False), job=7)
+    assert awaits_runner(took)
+    assert max_list_age([took], NOW, S) == S.awaiting_runner_list_seconds
 
 
 def test_idle_busy_stuck_and_finished_vms_accept_idle_age_lists() -> None:
     idle = vm("aaaaaa", created=5.0, runner=(1, True, False))
-    busy = vm("bbbbbb", created=5.0, runner=(2, True, True), job=7)
+    busy = vm("bbbbbb", created=5.0, runner=(2, False, True), job=7)
     stuck = vm("cccccc", phase="Pending", created=S.runner_wait_fresh_seconds + 1)
     done = vm("dddddd", phase="Succeeded", created=5.0)
     gone = vm("eeeeee", phase="Pending", created=5.0, deleting=True)
@@ -49,7 +53,7 @@ def test_a_list_begun_before_the_pools_last_change_is_never_used(
 
 
 @given(st.lists(st.floats(0, 200), max_size=6), st.booleans())
-def test_the_accepted_age_is_busy_resync_exactly_when_a_young_vm_awaits_its_runner(
+def test_the_accepted_age_is_short_exactly_when_a_young_vm_awaits_its_runner(
     ages: list[float], online: bool
 ) -> None:
     vms = [
@@ -58,7 +62,7 @@ def test_the_accepted_age_is_busy_resync_exactly_when_a_young_vm_awaits_its_runn
     ]
     young = not online and any(a < S.runner_wait_fresh_seconds for a in ages)
     assert fresh_wait(vms, NOW, S) == young
-    want = S.busy_resync_seconds if young else S.idle_runner_list_seconds
+    want = S.awaiting_runner_list_seconds if young else S.idle_runner_list_seconds
     assert max_list_age(vms, NOW, S) == want
 
 

@@ -68,8 +68,9 @@ class OperatorSettings:
     webhook_safety_poll_seconds: float = 300.0
     #: seconds a resolved runner-group id is reused
     runner_group_ttl: float = 300.0
-    #: the oldest shared runner list an idle pool decides from; how long a new VM's pool reads
-    #: fresh lists while it waits for its runner (:mod:`impvm.scaling.runnerlist`)
+    #: the oldest shared runner list a pool decides from while a VM awaits its runner, and
+    #: otherwise; how long a new VM counts as awaiting it (:mod:`impvm.scaling.runnerlist`)
+    awaiting_runner_list_seconds: float = 0.5
     idle_runner_list_seconds: float = 60.0
     runner_wait_fresh_seconds: float = 60.0
     #: seconds past an agent Lease's duration before its node's VMs are given up
@@ -95,6 +96,7 @@ class OperatorSettings:
             poll_budget_floor=self.poll_budget_floor,
             webhook_safety_poll_seconds=self.webhook_safety_poll_seconds,
             node_lost_grace_seconds=self.node_lost_grace_seconds,
+            awaiting_runner_list_seconds=self.awaiting_runner_list_seconds,
             idle_runner_list_seconds=self.idle_runner_list_seconds,
             runner_wait_fresh_seconds=self.runner_wait_fresh_seconds,
         )

@@ -6,9 +6,12 @@ of it (:mod:`impvm.operator.runners`). Reading it on every pass of every pool is
 idle fleet call GitHub hundreds of times a minute; the rules here say when an older list is as
 good as a new one:
 
-* a pool with a VM that waits for its runner to come online, and is younger than
-  ``runner_wait_fresh_seconds``, accepts a list at most ``busy_resync_seconds`` old: the runner
-  comes online any moment and the pool counts it ready (warm pool, time to ready);
+* a pool with a VM whose runner GitHub has not yet reported online or busy, and that is younger
+  than ``runner_wait_fresh_seconds``, accepts a list at most ``awaiting_runner_list_seconds``
+  old (concurrent passes of the installation's pools share it; otherwise each pass reads a new
+  one, as every pass did before the lists were shared): the runner comes online any moment,
+  may take a job and finish it within seconds, and the pool must see it up once to count its
+  time to ready (warm pool);
 * any other pool (runners idle or busy, jobs and VM phases arrive through webhooks and the VM
   watch) accepts a list up to ``idle_runner_list_seconds`` old: an idle installation makes at
   most one list call that often (GitHub REST "Best practices": avoid polling, use conditional
@@ -34,11 +37,12 @@ from impvm.scaling.world import PassSettings, VMObj
 
 
 def awaits_runner(vm: VMObj) -> bool:
-    """The VM is alive, has no job and its recorded runner is not online (yet)."""
+    """The VM is alive and its recorded runner was never seen online or busy (a job recorded
+    from a webhook does not count: GitHub's list must still show the runner up once)."""
     s = vm.status
-    if vm.deleting or s.phase in TERMINAL_PHASES or s.job is not None:
+    if vm.deleting or s.phase in TERMINAL_PHASES:
         return False
-    return not (s.runner is not None and s.runner.online)
+    return not (s.runner is not None and (s.runner.online or s.runner.busy))
 
 
 def fresh_wait(vms: Iterable[VMObj], now: dt.datetime, settings: PassSettings) -> bool:
@@ -56,7 +60,7 @@ def fresh_wait(vms: Iterable[VMObj], now: dt.datetime, settings: PassSettings) -
 def max_list_age(vms: Iterable[VMObj], now: dt.datetime, settings: PassSettings) -> float:
     """Seconds: the oldest runner list this pass may use (see the module docstring)."""
     if fresh_wait(vms, now, settings):
-        return settings.busy_resync_seconds
+        return settings.awaiting_runner_list_seconds
     return settings.idle_runner_list_seconds
 
 
