@@ -6,7 +6,8 @@ of it (:mod:`impvm.operator.runners`). Reading it on every pass of every pool is
 idle fleet call GitHub hundreds of times a minute; the rules here say when an older list is as
 good as a new one:
 
-* a pool with a VM whose runner GitHub has not yet reported online or busy, and that is younger
+* a pool with a VM an agent claimed whose runner GitHub has not yet reported online or busy,
+  and that is younger
   than ``runner_wait_fresh_seconds``, accepts a list at most ``awaiting_runner_list_seconds``
   old (concurrent passes of the installation's pools share it; otherwise each pass reads a new
   one, as every pass did before the lists were shared): the runner comes online any moment,
@@ -32,15 +33,19 @@ import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from impvm.api.models import TERMINAL_PHASES
+from impvm.api.models import TERMINAL_PHASES, VMPhase
 from impvm.scaling.world import PassSettings, VMObj
 
 
 def awaits_runner(vm: VMObj) -> bool:
-    """The VM is alive and its recorded runner was never seen online or busy (a job recorded
-    from a webhook does not count: GitHub's list must still show the runner up once)."""
+    """An agent claimed the VM (bound to a node, or a phase past ``Pending``), it is alive, and
+    its recorded runner was never seen online or busy (a job recorded from a webhook does not
+    count: GitHub's list must still show the runner up once). A VM no agent has claimed cannot
+    bring a runner online; its claim changes the VM, which wakes the pool."""
     s = vm.status
     if vm.deleting or s.phase in TERMINAL_PHASES:
+        return False
+    if not vm.spec.node_name and s.phase in (None, VMPhase.PENDING):
         return False
     return not (s.runner is not None and (s.runner.online or s.runner.busy))
 
