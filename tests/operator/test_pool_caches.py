@@ -30,20 +30,13 @@ from impvm.operator.pool import PoolReconciler
 from impvm.operator.sources import SECRET_VALUE_MAX_BYTES, CachedSource
 from impvm.scaling.world import PoolObj
 from tests.operator.conftest import POOL, TEMPLATE, PoolEnv
+from tests.operator.test_pool_controller import wait_until
 
 pytestmark = [pytest.mark.controlplane]
 
 RUNNERS_PATH = "/orgs/{org}/actions/runners"
 RUNNER_PATH = "/orgs/{org}/actions/runners/{runner_id}"
 MERGE = PatchType.MERGE
-
-
-async def wait_until(what: str, check: Any, seconds: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + seconds
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def listed_once(env: PoolEnv) -> CachedSource:
