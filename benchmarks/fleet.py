@@ -36,6 +36,8 @@ import collections
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -242,6 +244,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         log = s.standin.state.requests
         startup_calls = len(log)
         log.clear()
+        spy = profiler(args.profile, pid, "create") if args.profile else None
         c0 = cpu_seconds(pid)
         t0 = time.monotonic()
         for n in names:
@@ -290,8 +293,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             f"({n_create / want:.2f}/VM, {n_create_304} 304s)",
             flush=True,
         )
+        stop_profiler(spy)
         await asyncio.sleep(args.settle)
         log.clear()
+        spy = profiler(args.profile, pid, "quiet") if args.profile else None
         rss: list[float] = []
         c1, t1, wall1 = cpu_seconds(pid), time.monotonic(), time.time()
         while time.monotonic() - t1 < args.quiet:
@@ -300,6 +305,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             s.check_processes()
         window = time.monotonic() - t1
         idle_cpu = cpu_seconds(pid) - c1
+        stop_profiler(spy)
         idle_eps = by_endpoint(list(log))
         polled = poll_cost(list(log), wall1, time.time())
         n_idle, n_idle_304 = total_calls(idle_eps)
@@ -347,6 +353,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def profiler(out: Path, pid: int, phase: str) -> subprocess.Popen[bytes]:
+    """``py-spy record`` of ``pid`` into ``out/<phase>.txt`` (collapsed stacks, 50 samples/s),
+    until :func:`stop_profiler`."""
+    out.mkdir(parents=True, exist_ok=True)
+    spy = Path(sys.executable).with_name("py-spy")
+    cmd = [str(spy), "record", "-p", str(pid), "-r", "50", "-f", "raw", "-o"]
+    return subprocess.Popen([*cmd, str(out / f"{phase}.txt")], stdout=subprocess.DEVNULL)
+
+
+def stop_profiler(spy: subprocess.Popen[bytes] | None) -> None:
+    """Stop py-spy; it writes its file on SIGINT."""
+    if spy is None:
+        return
+    spy.send_signal(signal.SIGINT)
+    try:
+        spy.wait(30)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pools", type=int, default=10)
@@ -365,6 +392,13 @@ def main() -> None:
     ap.add_argument("--quiet", type=float, default=60.0, help="seconds of the quiet window")
     ap.add_argument("--timeout", type=float, default=900.0, help="deadline of each wait")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="directory: py-spy samples the operator during creation and the quiet window "
+        "(create.txt, quiet.txt: collapsed stacks, the flame graph's input)",
+    )
     args = ap.parse_args()
     if args.repos < 1 or args.pools < 1 or args.vms < 1:
         ap.error("--pools, --vms and --repos must be at least 1")

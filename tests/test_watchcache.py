@@ -66,6 +66,39 @@ def test_events_add_change_and_delete() -> None:
     assert key_of({"metadata": {"name": "cls"}}) == ("", "cls")  # cluster-scoped
 
 
+def test_a_deleted_object_marked_until_the_watch_reports_it() -> None:
+    """A deletion answers with no object: the stored one is marked; the watch's next version
+    (or its DELETED) replaces the mark, an older or equal version does not."""
+    s: Store[str] = Store(Parser(), max_objects=10)
+    s.apply("ADDED", obj("a", 1))
+    assert s.mark(("ns", "a"), lambda v: v + ":deleting")
+    assert not s.mark(("ns", "b"), lambda v: v)
+    assert not s.apply("MODIFIED", obj("a", 1))  # the version marked: still marked
+    assert s.get(("ns", "a")) == "v:deleting"
+    assert s.apply("MODIFIED", obj("a", 2, "w")) and s.get(("ns", "a")) == "w"
+    assert s.apply("DELETED", obj("a", 2)) and s.get(("ns", "a")) is None
+
+
+def test_a_write_answered_after_its_objects_deletion_does_not_bring_it_back() -> None:
+    """The watch delivered the deletion before the write's answer came: the answer (same uid)
+    is ignored; a new object of the same name (another uid) is stored."""
+    s: Store[str] = Store(Parser(), max_objects=10)
+    first = obj("a", 1)
+    first["metadata"]["uid"] = "u1"
+    s.apply("ADDED", first)
+    gone = obj("a", 3)
+    gone["metadata"]["uid"] = "u1"
+    s.apply("DELETED", gone)
+    late = obj("a", 2, "late")
+    late["metadata"]["uid"] = "u1"
+    s.written(late)
+    assert s.get(("ns", "a")) is None
+    again = obj("a", 4, "new")
+    again["metadata"]["uid"] = "u2"
+    s.written(again)
+    assert s.get(("ns", "a")) == "new"
+
+
 def test_a_rejected_object_is_left_out(caplog: pytest.LogCaptureFixture) -> None:
     s: Store[str] = Store(Parser(), max_objects=10, name="t")
     with caplog.at_level(logging.WARNING, "impvm.watchcache"):

@@ -16,10 +16,14 @@ How it stays correct (Kubernetes API concepts, "Efficient detection of changes")
 * **your own writes**: :meth:`WatchCache.written` puts the object a write returned into the cache
   at once, and the watch's older events for that object are ignored until the watch delivers
   that version (per-object events arrive in order), so a reconcile right after a write never
-  decides on the state before it. A write whose answer comes after the watch already delivered
-  its version (and perhaps later ones) changes nothing: the cache is at least that new. The
-  versions the watch delivered are remembered per object (the last :data:`SEEN_VERSIONS`) and
-  compared only for equality: resourceVersions are opaque (Kubernetes API concepts).
+  decides on the state before it. A deletion answers with no object: :meth:`Store.mark` changes
+  the stored one (e.g. marks it deleting) until the watch delivers a newer version; a write
+  answered after the watch delivered its object's deletion is ignored (the uids of the last
+  :data:`GONE_UIDS` deleted objects are kept). A write whose answer comes after the watch
+  already delivered its version (and perhaps later ones) changes nothing: the cache is at least
+  that new. The versions the watch delivered are remembered per object (the last
+  :data:`SEEN_VERSIONS`) and compared only for equality: resourceVersions are opaque
+  (Kubernetes API concepts).
 
 :class:`Store` is the in-memory part (no I/O, unit-tested on its own); :class:`WatchCache` runs
 the list and watch against the API server and calls ``on_change(key)`` for every object that was
@@ -48,12 +52,18 @@ Key = tuple[str, str]
 #: How many of an object's last resourceVersions the watch delivered are remembered (an own
 #: write is answered long before that many more changes of the same object arrive).
 SEEN_VERSIONS = 16
+#: How many uids of deleted objects are remembered (see :meth:`Store.written`).
+GONE_UIDS = 4096
 
 
 def key_of(raw: dict[str, Any]) -> Key:
     """The key of an object (a dict as the API server sends it)."""
     meta = raw.get("metadata") or {}
     return (meta.get("namespace") or "", meta.get("name") or "")
+
+
+def _uid(raw: dict[str, Any]) -> str:
+    return str((raw.get("metadata") or {}).get("uid") or "")
 
 
 def _version(raw: dict[str, Any]) -> str:
@@ -83,6 +93,9 @@ class Store(Generic[T]):
         #: objects left out because the cache was full (since the last complete list)
         self.dropped = 0
         self._slots: dict[Key, _Slot[T]] = {}
+        #: uids of the objects the watch reported deleted (the last :data:`GONE_UIDS`): a write
+        #: answered after its object's deletion was delivered must not bring it back
+        self._gone: dict[str, None] = {}
 
     def get(self, key: Key) -> T | None:
         """The object stored under ``key``, or None."""
@@ -148,6 +161,7 @@ class Store(Generic[T]):
         store changed."""
         key = key_of(raw)
         if kind == "DELETED":
+            self._forget(raw)
             return self._slots.pop(key, None) is not None
         version = _version(raw)
         slot = self._slots.get(key)
@@ -180,12 +194,31 @@ class Store(Generic[T]):
         slot = self._slots.get(key)
         if slot is not None and (slot.version == version or version in slot.seen):
             return  # the watch delivered this version already: the store is at least as new
+        if slot is None and _uid(raw) in self._gone:
+            return  # deleted, and the watch said so before this write's answer came
         value = self._parse(raw)
         if value is not None:
             new = _Slot(value, version, pending=version)
             if slot is not None:
                 new.seen.extend(slot.seen)
             self._slots[key] = new
+
+    def mark(self, key: Key, change: Callable[[T], T]) -> bool:
+        """Replace the object under ``key`` by ``change(object)``, keeping its resourceVersion:
+        for a write whose answer carries no object (a deletion), the next version the watch
+        delivers replaces the marked one. Returns whether ``key`` was stored."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return False
+        slot.value = change(slot.value)
+        return True
+
+    def _forget(self, raw: dict[str, Any]) -> None:
+        uid = _uid(raw)
+        if uid:
+            self._gone[uid] = None
+            while len(self._gone) > GONE_UIDS:
+                del self._gone[next(iter(self._gone))]
 
     @property
     def has_room_for_dropped(self) -> bool:
@@ -248,6 +281,10 @@ class WatchCache(Generic[T]):
         """Put the object a write returned into the cache now (see the module docstring). Call
         it on the cache whose selector the written object matches."""
         self.store.written(raw)
+
+    def mark(self, key: Key, change: Callable[[T], T]) -> bool:
+        """:meth:`Store.mark` on this cache's store."""
+        return self.store.mark(key, change)
 
     def _notify(self, keys: Iterable[Key]) -> None:
         """Tell ``on_change`` about each key."""

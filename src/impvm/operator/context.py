@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightkube import AsyncClient
+from lightkube.resources.core_v1 import Secret
 
 from impvm.api.models import AGENT_LEASE_NAMESPACE, PoolKey
 from impvm.api.times import Clock, as_clock
@@ -16,7 +17,8 @@ from impvm.events import EventRecorder
 from impvm.github import RetryPolicy
 from impvm.operator.credentials import GitHubProvider
 from impvm.operator.poller import Pollers
-from impvm.operator.sources import KubeSource
+from impvm.operator.runners import RunnerDirectory
+from impvm.operator.sources import CachedSource, KubeSource
 from impvm.scaling.jobtable import JobTable, PoolScope
 from impvm.scaling.pollbudget import PollBudget
 from impvm.scaling.timings import TimingWindow
@@ -44,6 +46,9 @@ class PoolMemory:
     timings: TimingWindow = field(default_factory=TimingWindow)
     #: the warm pool's arrivals read, last state written and runners counted ready
     warm: WarmPoolMemory = field(default_factory=WarmPoolMemory)
+    #: the pool's, its template's and its class's parsed objects, by parser, with the
+    #: (parser, uid, resourceVersion) they were parsed from
+    parsed: dict[str, tuple[tuple[object, ...], object]] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,6 +72,11 @@ class OperatorSettings:
     poll_budget: PollBudget = field(default_factory=PollBudget)
     #: seconds a resolved runner-group id is reused
     runner_group_ttl: float = 300.0
+    #: the oldest shared runner list a pool decides from while a VM awaits its runner, and
+    #: otherwise; how long a new VM counts as awaiting it (:mod:`impvm.scaling.runnerlist`)
+    awaiting_runner_list_seconds: float = 0.5
+    idle_runner_list_seconds: float = 60.0
+    runner_wait_fresh_seconds: float = 60.0
     #: seconds past an agent Lease's duration before its node's VMs are given up
     node_lost_grace_seconds: float = 60.0
     #: leader election: on (replicas > 1 safe) or off (one replica only); the Lease's name (in
@@ -90,6 +100,9 @@ class OperatorSettings:
             poll_budget_floor=self.poll_budget_floor,
             webhook_safety_poll_seconds=self.webhook_safety_poll_seconds,
             node_lost_grace_seconds=self.node_lost_grace_seconds,
+            awaiting_runner_list_seconds=self.awaiting_runner_list_seconds,
+            idle_runner_list_seconds=self.idle_runner_list_seconds,
+            runner_wait_fresh_seconds=self.runner_wait_fresh_seconds,
         )
 
 
@@ -114,11 +127,31 @@ class OperatorContext:
         #: one job poller per installation, shared by its pools
         self.pollers = Pollers(self.jobs, self.clock, self.settings.poll_budget)
         self.events = EventRecorder(kube, component="impvm-operator")
-        self.sources = KubeSource(kube)
+        self.sources: KubeSource = KubeSource(kube)
+        #: GitHub's runner registrations, one shared list per installation and scope
+        self.runners = RunnerDirectory()
         s = self.settings
         self.github = GitHubProvider(
-            kube, api_url=s.github_api_url, timeout=s.github_timeout, retry=s.github_retry
+            kube,
+            api_url=s.github_api_url,
+            timeout=s.github_timeout,
+            retry=s.github_retry,
+            secrets=lambda ns, name: self.sources.get(Secret, name, ns),
         )
+
+    def use_caches(self, namespaces: list[str] | None = None) -> CachedSource:
+        """Read from watch caches (started by the caller: ``await ctx.sources.start()``) whose
+        changes wake the pools concerned. ``namespaces``: those watched (empty: all)."""
+        cached = CachedSource(
+            self.kube,
+            namespaces,
+            on_vm=lambda ns, pool: self.wake_known(PoolKey(ns, pool)),
+            on_template=lambda ns, name: self.wake_using(ns, name, None),
+            on_class=lambda _, name: self.wake_using(None, None, name),
+            on_pool=lambda ns, name: self.wake_known(PoolKey(ns, name)),
+        )
+        self.sources = cached
+        return cached
 
     def pool(self, key: PoolKey) -> PoolMemory:
         """Memory of one pool (created on first use)."""
@@ -136,6 +169,12 @@ class OperatorContext:
         """Make the pool's reconcile loop run now rather than at its next tick."""
         self.pool(key).wake.set()
 
+    def wake_known(self, key: PoolKey) -> None:
+        """Wake the pool if this process runs passes for it (else nothing is remembered)."""
+        mem = self.pools.get(PoolKey(*key))
+        if mem is not None:
+            mem.wake.set()
+
     def wake_using(self, namespace: str | None, template: str | None, vm_class: str | None) -> None:
         """Wake every pool whose last pass used ``template`` (in ``namespace``) or ``vm_class``
         (an edit may make its VMs outdated)."""
@@ -146,5 +185,6 @@ class OperatorContext:
                 mem.wake.set()
 
     async def close(self) -> None:
-        """Close every GitHub client."""
+        """Stop the watch caches; close every GitHub client."""
+        await self.sources.close()
         await self.github.close()

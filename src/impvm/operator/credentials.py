@@ -17,8 +17,9 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
@@ -34,6 +35,9 @@ from impvm.github import (
     credentials_from_secret,
 )
 from impvm.github.errors import CredentialsError
+
+#: ``(namespace, name) -> Secret as a dict, or None when missing`` (may raise ``ApiError``).
+SecretReader = Callable[[str, str], Awaitable[dict[str, Any] | None]]
 
 
 def scope_of(platform: Platform) -> Scope:
@@ -60,8 +64,10 @@ class GitHubProvider:
         api_url: str | None = None,
         timeout: float = 15.0,
         retry: RetryPolicy | None = None,
+        secrets: SecretReader | None = None,
     ) -> None:
         self.kube = kube
+        self.secrets = secrets
         self.api_url = api_url
         self.timeout = timeout
         self.retry = dataclasses.replace(retry or RetryPolicy(), max_rate_limit_retries=0)
@@ -74,22 +80,13 @@ class GitHubProvider:
         Raises :class:`CredentialsError` when the Secret is missing (404), unreadable (403) or
         lacks a key; the message names the Secret and the key, never a value."""
         name = platform.credentials_secret
-        try:
-            sec = await self.kube.get(Secret, name, namespace=namespace)
-        except ApiError as e:
-            if e.status.code == 404:
-                raise CredentialsError(f"credentials Secret {name!r} not found") from None
-            if e.status.code == 403:
-                raise CredentialsError(
-                    f"credentials Secret {name!r} cannot be read (HTTP 403)"
-                ) from None
-            raise
-        version = (sec.metadata.resourceVersion if sec.metadata else None) or ""
+        sec = await self._read(namespace, name)
+        version = str((sec.get("metadata") or {}).get("resourceVersion") or "")
         fingerprint = (version, platform.server_url, platform.token_source)
         seen = self._secrets.get((namespace, name))
         if seen is not None and seen.fingerprint == fingerprint and seen.client in self._clients:
             return self._clients[seen.client]
-        data = {k: base64.b64decode(v) for k, v in (sec.data or {}).items()}
+        data = {k: base64.b64decode(v) for k, v in (sec.get("data") or {}).items()}
         creds = credentials_from_secret(data, platform.token_source)
         base = self.api_url or api_base_url(platform.server_url)
         if isinstance(creds, AppCredentials):
@@ -106,6 +103,26 @@ class GitHubProvider:
             client.use_credentials(creds)
         self._secrets[(namespace, name)] = _SecretSeen(fingerprint, key)
         return client
+
+    async def _read(self, namespace: str, name: str) -> dict[str, Any]:
+        """The credentials Secret as a dict (through ``secrets`` when given: the operator's
+        watch cache). Raises :class:`CredentialsError` when missing (404) or unreadable (403)."""
+        try:
+            if self.secrets is not None:
+                found = await self.secrets(namespace, name)
+            else:
+                found = (await self.kube.get(Secret, name, namespace=namespace)).to_dict()
+        except ApiError as e:
+            if e.status.code == 403:
+                raise CredentialsError(
+                    f"credentials Secret {name!r} cannot be read (HTTP 403)"
+                ) from None
+            if e.status.code != 404:
+                raise
+            found = None
+        if found is None:
+            raise CredentialsError(f"credentials Secret {name!r} not found")
+        return found
 
     def forget(self, namespace: str, secret: str) -> None:
         """Drop what is known of one Secret (its pool is gone); the installation's client stays

@@ -13,7 +13,7 @@ import logging
 import secrets as pysecrets
 from collections.abc import Awaitable, Mapping
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Secret
@@ -43,6 +43,7 @@ from impvm.vm_metrics import record_phase
 log = logging.getLogger("impvm.operator.pool")
 
 MERGE = PatchType.MERGE
+T = TypeVar("T")
 
 
 def failure_of(err: GitHubError, vm: str | None = None) -> GitHubFailure:
@@ -78,7 +79,7 @@ class PlanExecutor:
             patch = kube.patch(
                 ImpVMResource, r.name, {"metadata": meta}, namespace=self.ns, patch_type=MERGE
             )
-            await self._tolerate(patch, r.event)
+            await self._tolerate(self._vm_written(patch), r.event)
         nodes = {v.name: v.spec.node_name or "" for v in self.world.vms}
         for p in plan.lost:
             await self._tolerate(self._patch_status(p.name, p.status), p.event)
@@ -88,7 +89,7 @@ class PlanExecutor:
             await self._delete(d)
         for reg in plan.registrations if self.gh else ():
             try:
-                await self.gh.delete_runner(self.scope, reg.runner_id)  # type: ignore[union-attr]
+                await self._changing(self.gh.delete_runner(self.scope, reg.runner_id))  # type: ignore[union-attr]
             except GitHubError as e:
                 log.warning("pool %s/%s: could not remove registration: %s", *self.key, e)
                 continue
@@ -99,6 +100,17 @@ class PlanExecutor:
                 for kind, seconds in s.observe:
                     metrics.OBSERVED[kind].labels(*self.key).observe(seconds)
         return outcome
+
+    async def _changing(self, call: Awaitable[T]) -> T:
+        """Await a GitHub call that may create or delete one of the pool's registrations; then
+        (also when it failed: it may have reached GitHub) no runner list begun before it is used
+        for the pool (:mod:`impvm.operator.runners`)."""
+        try:
+            return await call
+        finally:
+            if self.gh is not None:
+                mono = self.ctx.clock.monotonic()
+                self.ctx.runners.changed(self.gh, self.scope, self.world.pool.prefix, mono)
 
     @property
     def key(self) -> PoolKey:
@@ -123,7 +135,7 @@ class PlanExecutor:
         a VM that must be deregistered first is kept when GitHub cannot be asked."""
         if d.deregister and self.gh is not None and d.runner_id is not None:
             try:
-                result = await self.gh.delete_runner(self.scope, d.runner_id)
+                result = await self._changing(self.gh.delete_runner(self.scope, d.runner_id))
             except GitHubError as e:
                 if d.deregister_first:
                     log.info("keeping %s/%s: deregistration failed: %s", self.ns, d.name, e)
@@ -136,6 +148,7 @@ class PlanExecutor:
             return
         deleted = self.ctx.kube.delete(ImpVMResource, d.name, namespace=self.ns)
         if await self._tolerate(deleted, d.done):
+            self.ctx.sources.vm_deleted(self.ns, d.name)
             created = {v.name: v.created_at for v in self.world.vms}.get(d.name)
             if created is not None:
                 lived = max(0.0, (self.world.now - created).total_seconds())
@@ -166,6 +179,7 @@ class PlanExecutor:
         name = vm_name(self.world.pool.prefix, pysecrets.token_hex(3))
         body = vm_manifest(self.world.pool, plan.new_vm, name)
         created = (await self.ctx.kube.create(ImpVMResource.from_dict(body))).to_dict()
+        self.ctx.sources.written(ImpVMResource, created)
         return name, str(created["metadata"]["uid"])
 
     async def _mint(self, m: Mint) -> Outcome | None:
@@ -183,19 +197,22 @@ class PlanExecutor:
         spec = self.world.pool.spec
         try:
             if m.stale_runner_id is not None:
-                if await self.gh.delete_runner(self.scope, m.stale_runner_id) is DeleteOutcome.BUSY:
+                stale = self.gh.delete_runner(self.scope, m.stale_runner_id)
+                if await self._changing(stale) is DeleteOutcome.BUSY:
                     return Outcome()
             group = REPO_RUNNER_GROUP_ID
             if self.scope.org is not None:
                 group = await self._runner_group(self.scope.org, spec.platform.runner_group)
-            jit = await self.gh.generate_jitconfig(self.scope, m.vm, group, spec.labels)
+            minted = self.gh.generate_jitconfig(self.scope, m.vm, group, spec.labels)
+            jit = await self._changing(minted)
         except GitHubError as e:
             failure = failure_of(e, vm=m.vm)
             metrics.JIT_MINTS.labels(*self.key, failure.kind).inc()
             return Outcome(failure=failure)
         body = jit_secret_manifest(self.world.pool, m, jit.encoded_jit_config.get_secret_value())
         try:
-            await self.ctx.kube.create(cast(Secret, Secret.from_dict(body)))
+            made = await self.ctx.kube.create(cast(Secret, Secret.from_dict(body)))
+            self.ctx.sources.written(Secret, made.to_dict())
         except ApiError as e:
             if e.status.code != 409:
                 metrics.JIT_MINTS.labels(*self.key, "SecretWriteFailed").inc()
@@ -221,22 +238,34 @@ class PlanExecutor:
     async def _record(self, vm: str, secret: str) -> None:
         """Record the JIT Secret's name in the VM's ``spec.runnerConfigSecret``."""
         patch = {"spec": {"runnerConfigSecret": secret}}
-        await self.ctx.kube.patch(ImpVMResource, vm, patch, namespace=self.ns, patch_type=MERGE)
+        await self._vm_written(
+            self.ctx.kube.patch(ImpVMResource, vm, patch, namespace=self.ns, patch_type=MERGE)
+        )
 
     async def _patch_status(self, name: str, status: Mapping[str, Any]) -> None:
         patch = {"status": dict(status)}
-        await self.ctx.kube.patch(
-            ImpVMResource.Status, name, patch, namespace=self.ns, patch_type=MERGE
+        await self._vm_written(
+            self.ctx.kube.patch(
+                ImpVMResource.Status, name, patch, namespace=self.ns, patch_type=MERGE
+            )
         )
+
+    async def _vm_written(self, write: Awaitable[Any]) -> None:
+        """Await a VM write and hand the VM it returned to the caches (own writes)."""
+        obj = await write
+        if obj is not None:
+            self.ctx.sources.written(ImpVMResource, obj.to_dict())
 
     async def write_status(
         self, status: Mapping[str, Any], ours: tuple[Mapping[str, Any], ...]
     ) -> None:
         """Patch the pool's status. Other writers (the reaper) own other condition types: ours
         are merged into what is stored now, guarded by resourceVersion, retried on conflict."""
-        name = self.world.pool.name
-        for _ in range(5):
-            cur = await self.ctx.sources.get(ImpVMRunnerPoolResource, name, self.ns)
+        name, src = self.world.pool.name, self.ctx.sources
+        for attempt in range(5):
+            # the cache first; after a conflict, the API server's current version
+            read = src.get if attempt == 0 else src.api_get
+            cur = await read(ImpVMRunnerPoolResource, name, self.ns)
             if cur is None:
                 return
             stored = (cur.get("status") or {}).get("conditions") or []
@@ -245,9 +274,10 @@ class PlanExecutor:
             }
             body["status"] = {**status, "conditions": merge_conditions(stored, ours)}
             try:
-                await self.ctx.kube.patch(
+                done = await self.ctx.kube.patch(
                     ImpVMRunnerPoolResource.Status, name, body, namespace=self.ns, patch_type=MERGE
                 )
+                src.written(ImpVMRunnerPoolResource, done.to_dict())
                 return
             except ApiError as e:
                 if e.status.code == 404:

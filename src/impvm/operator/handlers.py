@@ -1,8 +1,10 @@
 """kopf handlers: thin. Each gathers what kopf hands it and calls the domain code.
 
 - one daemon per pool runs :class:`~impvm.operator.pool.PoolReconciler` passes, serialised per
-  pool (one loop per pool), woken early by VM events, webhooks and edits of its template or
-  class (a template edit makes its idle VMs outdated);
+  pool (one loop per pool), woken early by webhooks and by what the operator's watch caches
+  see change (:mod:`impvm.operator.sources`: its VMs, its own object, its template or class, as
+  a template edit makes its idle VMs outdated). kopf itself watches only the pools: ImpVMs,
+  templates and classes have no kopf handler, so kopf keeps no per-object state for 2,000 VMs;
 - pool deletion deregisters the pool's idle runners before the garbage collector removes its VMs;
 - pools with ``spec.reaper.enabled`` get a reaper daemon.
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 import kopf
 
-from impvm.api.models import GROUP, POOL_LABEL, VERSION, PoolKey
+from impvm.api.models import GROUP, VERSION, PoolKey
 from impvm.operator.context import OperatorContext
 from impvm.operator.pool import PoolReconciler
 from impvm.operator.reaper import reaper_enabled, reaper_loop
@@ -72,34 +74,15 @@ async def pool_daemon(name: str, namespace: str | None, memo: Any, **_: Any) -> 
             await asyncio.wait_for(mem.wake.wait(), delay)
 
 
-@kopf.on.event(GROUP, VERSION, "impvms", labels={POOL_LABEL: kopf.PRESENT})
-async def vm_event(body: Any, memo: Any, **_: Any) -> None:
-    """Any change of a pool's VM wakes the pool."""
-    meta = body.get("metadata", {})
-    pool = (meta.get("labels") or {}).get(POOL_LABEL)
-    if pool:
-        _ctx(memo).wake(PoolKey(meta.get("namespace", ""), pool))
-
-
-@kopf.on.event(GROUP, VERSION, "impvmtemplates")
-async def template_event(name: str, namespace: str | None, memo: Any, **_: Any) -> None:
-    """A template edit wakes the pools made from it (their idle VMs may be outdated)."""
-    _ctx(memo).wake_using(namespace, name, None)
-
-
-@kopf.on.event(GROUP, VERSION, "impvmclasses")
-async def class_event(name: str, memo: Any, **_: Any) -> None:
-    """A class edit wakes the pools whose template uses it."""
-    _ctx(memo).wake_using(None, None, name)
-
-
 @kopf.on.delete(GROUP, VERSION, "impvmrunnerpools", retries=30)
 async def pool_deleted(name: str, namespace: str | None, body: Any, memo: Any, **_: Any) -> None:
     """Deregister the pool's runners that are not busy before its VMs go (no leaked
     registrations). Busy runners are retried every 10 s, at most 30 times, then left to GitHub."""
     ctx = _ctx(memo)
     busy = await deregister_pool_runners(ctx, body)
-    ctx.pools.pop(PoolKey(namespace or "", name), None)
+    mem = ctx.pools.pop(PoolKey(namespace or "", name), None)
+    if mem is not None and mem.prefix:
+        ctx.runners.forget(mem.prefix)
     if busy:
         raise kopf.TemporaryError(f"{busy} runner(s) still busy; retrying", delay=10)
 

@@ -62,6 +62,9 @@ async def run(
         if elector is not None:
             log.info("standby: waiting for Lease %s", settings.leader_lease_name)
             await elector.acquire()
+        # pool passes read from watch caches: started (first lists under way) before kopf
+        # starts the pools' daemons; a pass waits for the first lists it reads
+        await ctx.use_caches(namespaces).start()
         work = asyncio.create_task(
             kopf.operator(
                 clusterwide=not namespaces,

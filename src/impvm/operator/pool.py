@@ -3,7 +3,8 @@
 (:class:`~impvm.operator.execute.PlanExecutor`), settle, write the status and Events.
 
 Every decision is in :mod:`impvm.scaling.poolpass`. Facts come from :mod:`impvm.operator.sources`
-(Kubernetes), :class:`~impvm.operator.credentials.GitHubProvider` (GitHub) and the job table.
+(Kubernetes, watch caches in the operator), :class:`~impvm.operator.credentials.GitHubProvider`
+(GitHub), the shared runner directory (:mod:`impvm.operator.runners`) and the job table.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import base64
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any, TypeVar, cast
 
 from lightkube.resources.core_v1 import Secret
 
@@ -19,7 +22,7 @@ from impvm.api.models import WEBHOOK_SECRET_KEY, PoolKey
 from impvm.api.resources import ImpVMClassResource, ImpVMRunnerPoolResource, ImpVMTemplateResource
 from impvm.github import GitHubClient
 from impvm.github.errors import GitHubError
-from impvm.operator.context import OperatorContext
+from impvm.operator.context import OperatorContext, PoolMemory
 from impvm.operator.credentials import scope_of
 from impvm.operator.execute import PlanExecutor, failure_of
 from impvm.operator.metrics import record_pool
@@ -30,6 +33,7 @@ from impvm.scaling.labels import PoolLabels
 from impvm.scaling.names import runner_prefix, secret_name
 from impvm.scaling.pool import RunnerView
 from impvm.scaling.poolpass import decide, settle, waiting_for_a_node
+from impvm.scaling.runnerlist import max_list_age
 from impvm.scaling.world import (
     ClassObj,
     GitHubView,
@@ -44,6 +48,7 @@ from impvm.scaling.world import (
 __all__ = ["PoolReconciler", "runner_prefix", "secret_name"]
 
 log = logging.getLogger("impvm.operator.pool")
+P = TypeVar("P")
 
 
 class PoolReconciler:
@@ -55,10 +60,13 @@ class PoolReconciler:
     async def reconcile(self, key: PoolKey | tuple[str, str]) -> float | None:
         """One pass over pool ``key``. Returns seconds until the next pass (None: pool gone)."""
         key = PoolKey(*key)
-        body = await self.ctx.sources.get(ImpVMRunnerPoolResource, key.name, key.namespace)
+        src = self.ctx.sources
+        body = await src.get(ImpVMRunnerPoolResource, key.name, key.namespace)
+        if body is None:  # the cache may not have seen a pool just created: ask the API server
+            body = await src.api_get(ImpVMRunnerPoolResource, key.name, key.namespace)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None
-        world, github = await self._observe(PoolObj.from_body(body))
+        world, github = await self._observe(_parsed(self.ctx.pool(key), body, PoolObj.from_body))
         world = self._arrivals(world)
         plan = decide(world)
         if plan.poll is not None and github is not None:
@@ -103,7 +111,7 @@ class PoolReconciler:
             warm=mem.warm,
         )
         t = await src.get(ImpVMTemplateResource, pool.spec.template_name, pool.namespace)
-        template = TemplateObj.from_body(t) if t else None
+        template = _parsed(mem, t, TemplateObj.from_body) if t else None
         if template is None:
             return world, None
         mem.vm_class = template.spec.class_ref.name
@@ -115,10 +123,15 @@ class PoolReconciler:
             body = await src.get(Secret, key_secret, pool.namespace) if key_secret else None
             verify = verify_key(pool.namespace, template.spec, body)
         except VerifyKeyError as e:
-            problem = replace(world, template=template, vm_class=ClassObj.from_body(c))
+            problem = replace(
+                world, template=template, vm_class=_parsed(mem, c, ClassObj.from_body)
+            )
             return replace(problem, verify_key_problem=str(e)), None
         missing = await self._register(pool)
-        github, view = await self._github(pool, world)
+        # how old a runner list may be depends on the VMs; the VMs decided from are read after
+        # the list (ordering: every registration listed then has its VM in the cache)
+        max_age = max_list_age(await src.vms(pool), world.now, world.settings)
+        github, view = await self._github(pool, world, max_age)
         vms = await src.vms(pool)
         # Leases matter for VMs on nodes (lost nodes) and VMs no node took (Unschedulable)
         needs = any(v.spec.node_name for v in vms) or waiting_for_a_node(replace(world, vms=vms))
@@ -128,7 +141,7 @@ class PoolReconciler:
         return replace(
             world,
             template=template,
-            vm_class=ClassObj.from_body(c),
+            vm_class=_parsed(mem, c, ClassObj.from_body),
             verify_key=verify,
             vms=vms,
             secrets=await src.secret_names(pool),
@@ -160,9 +173,10 @@ class PoolReconciler:
         return ref.name if sec is None else None
 
     async def _github(
-        self, pool: PoolObj, world: PoolWorld
+        self, pool: PoolObj, world: PoolWorld, max_age: float
     ) -> tuple[GitHubClient | None, GitHubView]:
-        """The pool's client and its registrations (no call at all while backing off)."""
+        """The pool's client and its registrations from the shared runner directory, from a
+        list at most ``max_age`` seconds old (no call at all while backing off)."""
         try:
             client = await self.ctx.github.client(pool.namespace, pool.spec.platform)
         except GitHubError as e:
@@ -171,7 +185,7 @@ class PoolReconciler:
             return client, GitHubView(connected=True, skipped=True)
         scope = scope_of(pool.spec.platform)
         try:
-            found = await client.list_runners(scope, name_prefix=pool.prefix)
+            found = await self.ctx.runners.runners(client, scope, pool.prefix, max_age, world.mono)
         except GitHubError as e:
             return client, GitHubView(connected=True, failure=failure_of(e), budget=_budget(client))
         runners = tuple(
@@ -220,6 +234,21 @@ class PoolReconciler:
                 swept=report.swept,
             )
         return world.after_poll(outcome, *self._jobs(world.pool, world.vms))
+
+
+def _parsed(mem: PoolMemory, body: dict[str, Any], parse: Callable[[dict[str, Any]], P]) -> P:
+    """``parse(body)``, reused while the object's uid and resourceVersion stay the same (the
+    caches hand out the same object until it changes; validating it once per pass was a tenth
+    of an idle operator's time)."""
+    meta = body.get("metadata") or {}
+    key = (parse, meta.get("uid"), meta.get("resourceVersion"))
+    kind = getattr(parse, "__qualname__", "")
+    found = mem.parsed.get(kind)
+    if found is not None and found[0] == key and key[2]:
+        return cast(P, found[1])
+    value = parse(body)
+    mem.parsed[kind] = (key, value)
+    return value
 
 
 def _budget(client: GitHubClient) -> RateBudget | None:

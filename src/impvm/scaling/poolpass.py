@@ -68,6 +68,7 @@ from impvm.scaling.pool import (
     parse_demand,
 )
 from impvm.scaling.pool import decide as size
+from impvm.scaling.runnerlist import fresh_wait
 from impvm.scaling.warmpool import (
     JobQueued,
     RunnerReady,
@@ -948,11 +949,29 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
         )
     _placement(world, conds, events)
     s = world.settings
-    busy = sizing.create > created or sizing.counts.starting > 0 or bool(sizing.mint_secrets)
+    # starting VMs are watched closely only while their runners are due: one stuck longer is
+    # left to the bootstrap timeout (the runner list is not re-read for it either)
+    starting = sizing.counts.starting > 0 and fresh_wait(world.vms, now, s)
+    busy = sizing.create > created or starting or bool(sizing.mint_secrets)
     requeue = s.busy_resync_seconds if busy else s.resync_seconds
+    if (due := _unschedulable_due(world)) is not None:  # the condition on time, not a resync late
+        requeue = min(requeue, due)
     if not backoff.ready(mono):
         requeue = min(requeue, max(1.0, _wait(backoff, mono)))
     return _settlement(world, status, conds, events, backoff, poll, requeue, c, warm_memory)
+
+
+def _unschedulable_due(world: PoolWorld) -> float | None:
+    """Seconds until the next VM no agent claimed becomes :data:`UNSCHEDULABLE_AFTER_SECONDS`
+    old (None: no such VM)."""
+    now = world.now
+    due = [
+        UNSCHEDULABLE_AFTER_SECONDS - (now - v.created_at).total_seconds()
+        for v in world.vms
+        if not v.spec.node_name and not v.deleting and v.status.phase in (None, VMPhase.PENDING)
+    ]
+    waiting = [d for d in due if d > 0]
+    return max(0.1, min(waiting)) if waiting else None
 
 
 def waiting_for_a_node(world: PoolWorld) -> int:

@@ -322,6 +322,11 @@ class PassSettings:
     node_lost_grace_seconds: float = 60.0
     backoff_base_seconds: float = 2.0
     backoff_cap_seconds: float = 300.0
+    #: the oldest runner list a pool decides from with and without a VM awaiting its runner,
+    #: and how long a new VM counts as awaiting it (:mod:`impvm.scaling.runnerlist`)
+    awaiting_runner_list_seconds: float = 0.5
+    idle_runner_list_seconds: float = 60.0
+    runner_wait_fresh_seconds: float = 60.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
