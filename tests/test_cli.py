@@ -96,3 +96,14 @@ def test_an_unknown_choice_is_one_line_and_exit_2(tmp_path: Path, args: list[str
     assert got.returncode == 2, got.stderr
     assert got.stderr.strip().splitlines()[-1].startswith(f"impvm {args[0]}: ")
     assert "Traceback" not in got.stderr
+
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_a_poll_budget_that_is_not_a_finite_number_is_refused(value: str) -> None:
+    got = subprocess.run(
+        [sys.executable, "-m", "impvm.cli", "operator", "--poll-calls-per-hour", value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert got.returncode == 2 and "--poll-calls-per-hour" in got.stderr, got.stderr

@@ -54,6 +54,15 @@ def crds() -> None:
     sys.stdout.write(render_yaml())
 
 
+def _finite(value: float) -> float:
+    """Refuse inf and nan (a range check lets them through: nan compares false)."""
+    import math
+
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 def _require_kubeconfig(command: str) -> None:
     """Exit 2 with one line when lightkube's discovery (in-cluster ServiceAccount, then
     KUBECONFIG, then ~/.kube/config) finds no usable configuration: the components would
@@ -103,6 +112,7 @@ def operator(
         float,
         typer.Option(
             min=60.0,
+            callback=_finite,
             help="Requests an hour the job poller of one GitHub installation may make, 304s "
             "included (it reads the repositories of all the installation's pools).",
         ),
@@ -112,6 +122,7 @@ def operator(
         typer.Option(
             min=0.01,
             max=1.0,
+            callback=_finite,
             help="Share of an installation's rate limit (each of GitHub's hourly windows) the "
             "job poller may spend; JIT configs and runner listings use the rest.",
         ),

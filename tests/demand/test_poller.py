@@ -174,6 +174,26 @@ async def test_stale_jobs_are_swept_only_in_repositories_the_poll_read(
     assert kept == set(stale) - set(report.repositories)
 
 
+async def test_jobs_of_a_repository_that_left_the_installation_are_dropped(
+    standin: StandIn, client: GitHubClient
+) -> None:
+    """No poll reads a repository the installation no longer has, so the next listing of the
+    installation is what drops its jobs (else the org's pools count them as demand for ever)."""
+    gone = f"{ORG}/leaving"
+    standin.state.add_repo(gone)
+    job = standin.state.queue_job(gone, ["self-hosted", "x"])
+    clock = Clock()
+    poller = poller_for(client, clock)
+    scope = Scope(org=ORG)
+    first = await poller.poll(scope, None)
+    assert first.failure is None and job.id in poller.jobs.jobs and poller.queued(scope) == 1
+    del standin.state.repos[gone]
+    for _ in range(3):  # the next listing comes once the sweep of the last one is done
+        clock.t += 60
+        assert (await poller.poll(scope, clock())).failure is None
+    assert job.id not in poller.jobs.jobs and poller.queued(scope) == 0
+
+
 async def test_500_repositories_within_the_budget(standin: StandIn, client: GitHubClient) -> None:
     """With 500 repositories and a budget of 150 requests a poll: the polls stay within it, the
     repository with a queued job is read in every poll, and

@@ -193,3 +193,31 @@ async def test_a_pool_whose_github_answers_slowly_never_delays_another_pool(
     ]
     assert len(made) == 1 and made[0]["spec"].get("runnerConfigSecret")
     await env.finish_pass(slow)
+
+
+async def test_a_pool_made_again_under_its_name_is_never_taken_for_the_old_one(
+    env: PoolEnv,
+) -> None:
+    """The pools cache still holds the old pool, deleting, when a new one of the same name
+    exists: the pass asks the API server and goes on (its loop ending would be for good), and
+    a loop running for the old pool's uid ends instead of deciding for the new one. A cache
+    still holding the old pool (not deleting) is not used for a loop of the new uid."""
+    old = await env.ready_pool(minIdle=0)
+    hold = {"metadata": {"finalizers": ["test.imp.dev/hold"]}}
+    kw: Any = {"namespace": env.ns, "patch_type": PatchType.MERGE}
+    await env.kube.patch(ImpVMRunnerPoolResource, POOL, hold, **kw)
+    await env.kube.delete(ImpVMRunnerPoolResource, POOL, namespace=env.ns)
+    await listed_once(env)  # the cache holds the old pool, deleting, and sees nothing after
+    await env.kube.patch(ImpVMRunnerPoolResource, POOL, {"metadata": {"finalizers": None}}, **kw)
+    new = await env.create_pool(minIdle=1)
+    assert new["metadata"]["uid"] != old["metadata"]["uid"]
+    assert await env.run_pass() is not None
+    reconciler = PoolReconciler(env.ctx)
+    assert await reconciler.reconcile((env.ns, POOL), old["metadata"]["uid"]) is None
+    assert await reconciler.reconcile((env.ns, POOL), new["metadata"]["uid"]) is not None
+    await env.collect()
+    vms = await env.vms()
+    assert vms and all(
+        [o["uid"] for o in v["metadata"]["ownerReferences"]] == [new["metadata"]["uid"]]
+        for v in vms
+    )

@@ -109,6 +109,8 @@ def _set(cfg: dict, dotted: str, value: object) -> None:
         (("github.app.privateKeyFile", "missing.pem"), "github.app.privateKeyFile: "),
         (("github.webhookSecretFile", KeyError), "pools.ci.scaling.mode: webhook needs"),
         (("agent.qemuKernel", "no-such-vmlinuz"), "agent.qemuKernel: "),
+        (("operator.pollCallsPerHour", float("inf")), "operator.pollCallsPerHour: Input should"),
+        (("operator.pollRateLimitShare", 0.005), "operator.pollRateLimitShare: Input should be"),
     ],
 )
 def test_one_line_naming_the_field(

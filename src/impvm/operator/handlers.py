@@ -52,7 +52,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.daemon(GROUP, VERSION, "impvmrunnerpools", cancellation_timeout=2.0)
-async def pool_daemon(name: str, namespace: str | None, memo: Any, **_: Any) -> None:
+async def pool_daemon(
+    name: str, namespace: str | None, uid: str | None, memo: Any, **_: Any
+) -> None:
     """Reconcile one pool until it is deleted: a pass, then wait for a wake-up or the delay the
     pass asked for."""
     ctx = _ctx(memo)
@@ -62,7 +64,7 @@ async def pool_daemon(name: str, namespace: str | None, memo: Any, **_: Any) -> 
     while True:
         mem.wake.clear()
         try:
-            delay = await reconciler.reconcile(key)
+            delay = await reconciler.reconcile(key, uid)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a failed pass is retried; messages carry no secrets

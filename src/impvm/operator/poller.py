@@ -173,6 +173,7 @@ class InstallationPoller:
                 not_modified += listed.not_modified
                 self._installation = sorted(r.full_name for r in listed.items)
                 self._listed_at = n
+                self._drop_removed(scopes, started_at)
             universe = sorted(
                 {r for s in scopes for r in scope_repositories(s, self._installation or [])}
             )
@@ -240,6 +241,29 @@ class InstallationPoller:
             if name is not None:
                 hot.add(name)
         return hot
+
+    def _drop_removed(self, scopes: frozenset[Scope], before: dt.datetime) -> None:
+        """Jobs of the organisations polled whose repository has left the installation (the
+        App's repository selection changed, or the repository was deleted or moved): no poll
+        reads that repository again, so nothing else would ever sweep them. Repositories a
+        pool names itself are left to that pool's reads."""
+        orgs = {s.org.casefold() for s in scopes if s.org is not None}
+        named = {s.repo.casefold() for s in scopes if s.repo is not None}
+        present = {r.casefold() for r in self._installation or []}
+        gone = {
+            j.repository
+            for j in self.jobs.jobs.values()
+            if j.repository.partition("/")[0].casefold() in orgs
+            and j.repository.casefold() not in present
+            and j.repository.casefold() not in named
+        }
+        if gone:
+            dropped = self.jobs.sweep(gone, (), before, ())
+            log.info(
+                "poll: dropped %d job(s) of %d repositories no longer in the installation",
+                len(dropped),
+                len(gone),
+            )
 
     def _forget_except(self, universe: list[str]) -> None:
         keep = set(universe)

@@ -57,13 +57,22 @@ class PoolReconciler:
     def __init__(self, ctx: OperatorContext) -> None:
         self.ctx = ctx
 
-    async def reconcile(self, key: PoolKey | tuple[str, str]) -> float | None:
-        """One pass over pool ``key``. Returns seconds until the next pass (None: pool gone)."""
+    async def reconcile(
+        self, key: PoolKey | tuple[str, str], uid: str | None = None
+    ) -> float | None:
+        """One pass over pool ``key`` (``uid``: the pool object the caller runs for, when it
+        knows it). Returns seconds until the next pass (None: pool gone)."""
         key = PoolKey(*key)
         src = self.ctx.sources
         body = await src.get(ImpVMRunnerPoolResource, key.name, key.namespace)
-        if body is None:  # the cache may not have seen a pool just created: ask the API server
+        stale = body is not None and uid is not None and body["metadata"].get("uid") != uid
+        if body is None or stale or body["metadata"].get("deletionTimestamp"):
+            # ending the pool's loop is for good: decide it from the API server, never from a
+            # cache that may not have seen a pool just created (or created again under the
+            # same name while the old one was still being deleted)
             body = await src.api_get(ImpVMRunnerPoolResource, key.name, key.namespace)
+            if body is not None and uid is not None and body["metadata"].get("uid") != uid:
+                return None  # the caller's pool is gone; a new one of that name has its own loop
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None
         world, github = await self._observe(_parsed(self.ctx.pool(key), body, PoolObj.from_body))

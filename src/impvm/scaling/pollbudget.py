@@ -80,8 +80,9 @@ class PollBudget:
     burst_seconds: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.calls_per_hour <= 0 or self.burst_seconds <= 0:
-            raise ValueError("calls_per_hour and burst_seconds must be positive")
+        finite = math.isfinite(self.calls_per_hour) and math.isfinite(self.burst_seconds)
+        if not finite or self.calls_per_hour <= 0 or self.burst_seconds <= 0:
+            raise ValueError("calls_per_hour and burst_seconds must be positive and finite")
         if not 0 < self.rate_limit_share <= 1:
             raise ValueError("rate_limit_share must be in (0, 1]")
 

@@ -112,6 +112,7 @@ class OperatorConfig(_Model):
     poll_calls_per_hour: float = Field(
         default=18000.0,
         ge=60,
+        allow_inf_nan=False,
         alias="pollCallsPerHour",
         description="Requests an hour the job poller of one GitHub installation may make, 304s "
         "included; it reads the repositories of all the installation's polling pools, busy "
@@ -119,7 +120,7 @@ class OperatorConfig(_Model):
     )
     poll_rate_limit_share: float = Field(
         default=0.5,
-        gt=0,
+        ge=0.01,
         le=1,
         alias="pollRateLimitShare",
         description="Share of the installation's rate limit (GitHub's hourly window) the job "
