@@ -57,7 +57,13 @@ def test_a_bad_kubeconfig_or_an_unreachable_server_is_one_line_and_exit_2(
 
 @pytest.mark.parametrize("command", [["operator"], ["agent", "--workdir"]])
 @pytest.mark.parametrize(
-    "kubeconfig", [None, "just a string", "apiVersion: v1\nclusters: [\n  bad"]
+    "kubeconfig",
+    [
+        None,
+        "just a string",
+        "apiVersion: v1\nclusters: [\n  bad",
+        UNREACHABLE.replace("insecure-skip-tls-verify: true", "certificate-authority: /no/ca.crt"),
+    ],
 )
 def test_a_component_without_a_usable_kubeconfig_is_one_line_and_exit_2(
     tmp_path: Path, command: list[str], kubeconfig: str | None

@@ -69,10 +69,10 @@ def _require_kubeconfig(command: str) -> None:
     otherwise die with a traceback."""
     from lightkube import ConfigError
 
-    from impvm.statuscmd import discover
+    from impvm.statuscmd import client
 
     try:
-        discover()
+        client()  # reads the files the kubeconfig names, as the component will
     except ConfigError as e:
         typer.echo(f"impvm {command}: no usable kubeconfig: {e}", err=True)
         raise typer.Exit(code=2) from None

@@ -39,17 +39,26 @@ def discover(kubeconfig: Path | None = None, context: str | None = None) -> Sing
         ).get(context_name=context)
     except ConfigError as e:
         raise ConfigError(" ".join(str(e).split())) from None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as e:
-        # a missing or unreadable file, YAML that does not parse, a kubeconfig of another shape
+    except (OSError, ValueError, yaml.YAMLError) as e:  # missing, unreadable, not YAML
         raise ConfigError(" ".join(str(e).split()) or type(e).__name__) from None
+    except (KeyError, TypeError, AttributeError) as e:  # YAML of another shape
+        raise ConfigError(f"not a kubeconfig ({type(e).__name__}: {e})") from None
     if found is None:
         raise ConfigError("the kubeconfig names no current context")
     return found
 
 
 def client(kubeconfig: Path | None = None, context: str | None = None) -> AsyncClient:
-    """A read-only use of the cluster configured by :func:`discover` (raises as it does)."""
-    return AsyncClient(config=discover(kubeconfig, context))
+    """A read-only use of the cluster configured by :func:`discover` (raises as it does, also
+    when a certificate or key file the kubeconfig names cannot be read)."""
+    config = discover(kubeconfig, context)
+    try:
+        return AsyncClient(config=config)
+    except OSError as e:  # e.g. certificate-authority: a file that is not there
+        what = e.filename or "a certificate or key file it names"
+        raise ConfigError(f"{what}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ConfigError(" ".join(str(e).split()) or type(e).__name__) from None
 
 
 async def read_snapshot(kube: AsyncClient, namespace: str | None = None) -> Snapshot:
