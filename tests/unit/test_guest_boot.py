@@ -18,6 +18,7 @@ import pytest
 
 from impvm.agent.qemu_guest import (
     GUEST_APPLETS,
+    GUEST_MODULES,
     GuestAssetError,
     Kernel,
     build_initramfs,
@@ -222,3 +223,25 @@ async def test_a_pvh_image_that_boots_nowhere_is_dropped_for_the_bzimage(tmp_pat
     assert [p.split()[0] for p in probes[:3]] == ["microvm", "q35", "microvm"], probes
     assert probes[0].split()[1].startswith("vmlinux-")
     assert probes[2].split()[1] == rt.kernel.path.name
+
+
+def test_a_kernel_with_qemu_fw_cfg_built_in_is_refused(tmp_path: Path) -> None:
+    """The init unloads qemu_fw_cfg once it has read the JIT config; a kernel that has the
+    driver built in would leave it readable by the job, so it is not a guest kernel."""
+    version = "6.1.0-test"
+    image = tmp_path / f"vmlinuz-{version}"
+    image.write_bytes(b"not booted here")
+    moddir = tmp_path / "modules" / version
+    moddir.mkdir(parents=True)
+    (moddir / "modules.dep").write_text("")
+    builtin = [f"kernel/drivers/x/{m}.ko" for m in GUEST_MODULES]
+    (moddir / "modules.builtin").write_text("\n".join(builtin) + "\n")
+    with pytest.raises(GuestAssetError, match="qemu_fw_cfg is built in"):
+        find_kernel(image, need_shares=True, modules_root=tmp_path / "modules")
+    (moddir / "modules.builtin").write_text(
+        "\n".join(b for b in builtin if "qemu_fw_cfg" not in b) + "\n"
+    )
+    (moddir / "modules.dep").write_text("kernel/drivers/firmware/qemu_fw_cfg.ko:\n")
+    assert (
+        find_kernel(image, need_shares=True, modules_root=tmp_path / "modules").version == version
+    )

@@ -161,7 +161,9 @@ def _builtin(moddir: Path) -> set[str]:
         return set()
 
 
-def find_kernel(path: Path | None = None, need_shares: bool = True) -> Kernel:
+def find_kernel(
+    path: Path | None = None, need_shares: bool = True, modules_root: Path = Path("/lib/modules")
+) -> Kernel:
     """The kernel at ``path`` or, when ``None``, the newest ``/boot/vmlinuz-*`` with modules (one
     with 9p modules when ``need_shares``). The version is the file name's suffix after
     ``vmlinuz-``. Raises :class:`GuestAssetError` when none fits (the message names the Debian
@@ -170,7 +172,7 @@ def find_kernel(path: Path | None = None, need_shares: bool = True) -> Kernel:
     problems: list[str] = []
     for cand in candidates:
         version = cand.name.removeprefix("vmlinuz-")
-        k = Kernel(cand, version, Path("/lib/modules") / version)
+        k = Kernel(cand, version, modules_root / version)
         if not cand.is_file() or not os.access(cand, os.R_OK):
             problems.append(f"{cand}: not a readable file")
             continue
@@ -182,6 +184,10 @@ def find_kernel(path: Path | None = None, need_shares: bool = True) -> Kernel:
             missing += [m for m in _SHARE_MODULES if not k.has_module(m)]
         if missing:
             problems.append(f"{cand}: lacks modules {', '.join(missing)}")
+            continue
+        if "qemu_fw_cfg" in _builtin(k.modules):
+            # the init unloads the driver after reading the JIT config; built in, it cannot
+            problems.append(f"{cand}: qemu_fw_cfg is built in (the job could read the JIT config)")
             continue
         return k
     detail = "; ".join(problems) or "no /boot/vmlinuz-*"
