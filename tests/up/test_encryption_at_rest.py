@@ -50,3 +50,41 @@ def test_secrets_are_encrypted_in_etcd_files(
     assert not _etcd_holds(control_plane, hidden.encode())
     config = Path(control_plane.pki / "encryption.yaml")
     assert config.stat().st_mode & 0o077 == 0
+
+
+def _stored(cp: ControlPlane, key: str) -> bytes:
+    """The value etcd holds now for ``key`` (etcd's JSON gateway to its KV API)."""
+    import base64
+    import json
+    import urllib.request
+
+    body = json.dumps({"key": base64.b64encode(key.encode()).decode()}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{cp.etcd_port}/v3/kv/range", data=body)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        kvs = json.loads(r.read()).get("kvs") or []
+    return base64.b64decode(kvs[0]["value"]) if kvs else b""
+
+
+def test_secrets_stored_before_encryption_are_encrypted_at_the_next_start(
+    tmp_path: Path,
+) -> None:
+    from impvm.devstack.kube import admin_client
+
+    hidden = f"impvm-secret-{secrets.token_hex(12)}"
+    old = ControlPlane(workdir=tmp_path / "cp", persistent=True, encrypt_secrets=False).start()
+    try:
+        kube = admin_client(old.kubeconfig)
+        kube.create(
+            Secret(metadata=ObjectMeta(name="old", namespace="default"), stringData={"v": hidden})
+        )
+        assert hidden.encode() in _stored(old, "/registry/secrets/default/old")
+    finally:
+        old.stop()
+    cp = ControlPlane(workdir=tmp_path / "cp", persistent=True).start()
+    try:
+        stored = _stored(cp, "/registry/secrets/default/old")
+        assert stored.startswith(b"k8s:enc:secretbox:v1:key1:") and hidden.encode() not in stored
+        got = admin_client(cp.kubeconfig).get(Secret, "old", namespace="default")
+        assert got.data is not None and "v" in got.data
+    finally:
+        cp.stop()

@@ -11,8 +11,9 @@ data (written with fsync) in ``workdir`` so a restart, or a reboot, carries on w
 Secrets are encrypted at rest: kube-apiserver gets an ``EncryptionConfiguration`` (Kubernetes
 docs, "Encrypting Confidential Data at Rest") with the ``secretbox`` provider (XSalsa20 +
 Poly1305) and a 32-byte key made once in ``pki/`` (0600), so the App's private key and the JIT
-configs are never in etcd's files in clear. The key file sits beside the CA key: whoever can read
-one can read the other.
+configs are never in etcd's files in clear; a data directory from before gets its Secrets
+written again, encrypted, at the first start with the key. The key file sits beside the CA key:
+whoever can read one can read the other.
 """
 
 from __future__ import annotations
@@ -206,6 +207,8 @@ class ControlPlane:
     persistent: bool = False
     #: fsync etcd's writes (off for throwaway test data, where it only costs time)
     etcd_fsync: bool = False
+    #: encrypt Secrets at rest (off only to make a data directory from before it, in tests)
+    encrypt_secrets: bool = True
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _argv: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
@@ -265,12 +268,13 @@ class ControlPlane:
             write_private(key_path, _pem_key(key))
             write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
 
-    def _ensure_encryption(self) -> Path:
+    def _ensure_encryption(self) -> tuple[Path, bool]:
         """The kube-apiserver ``EncryptionConfiguration`` for Secrets (made once when
-        persistent: a new key would leave the Secrets already stored unreadable)."""
+        persistent: a new key would leave the Secrets already stored unreadable), and whether
+        it was made now."""
         path = self.pki / "encryption.yaml"
         if self.persistent and path.is_file():
-            return path
+            return path, False
         key = base64.b64encode(os.urandom(32)).decode()
         config = {
             "apiVersion": "apiserver.config.k8s.io/v1",
@@ -287,7 +291,36 @@ class ControlPlane:
             ],
         }
         write_private(path, yaml.safe_dump(config).encode())
-        return path
+        return path, True
+
+    def _encrypt_stored_secrets(self) -> int:
+        """Write every Secret again, unchanged, so the API server stores it encrypted: a data
+        directory from before encryption was on holds them in clear, and the ``identity``
+        provider only reads them (Kubernetes docs, "Encrypting Confidential Data at Rest":
+        ensure all Secrets are encrypted). Returns how many were written. Raises
+        :class:`ControlPlaneError` when kubectl fails."""
+        env = dict(os.environ, KUBECONFIG=str(self.kubeconfig))
+        got = subprocess.run(
+            [str(self.kubectl), "get", "secrets", "--all-namespaces", "-o", "json"],
+            capture_output=True,
+            env=env,
+        )
+        if got.returncode != 0:
+            raise ControlPlaneError(
+                f"listing Secrets to encrypt them: {got.stderr.decode()[-500:]}"
+            )
+        listed = json.loads(got.stdout)
+        if not listed.get("items"):
+            return 0
+        put = subprocess.run(
+            [str(self.kubectl), "replace", "-f", "-"],
+            input=got.stdout,
+            capture_output=True,
+            env=env,
+        )
+        if put.returncode != 0:  # kubectl's stderr names objects, never their data
+            raise ControlPlaneError(f"encrypting stored Secrets: {put.stderr.decode()[-500:]}")
+        return len(listed["items"])
 
     def _ca_key(self) -> rsa.RSAPrivateKey:
         key = serialization.load_pem_private_key((self.pki / "ca.key").read_bytes(), None)
@@ -395,7 +428,8 @@ class ControlPlane:
         atexit.register(self.stop)  # never leave etcd/kube-apiserver running behind a crash
         self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._ensure_pki()
-        encryption = self._ensure_encryption()
+        had_data = (self.workdir / "etcd" / "member").is_dir()
+        encryption, new_key = self._ensure_encryption() if self.encrypt_secrets else (None, False)
         pki = self.pki
         self.api_port, self.etcd_port, peer_port = self._ports()
         etcd_url = f"http://127.0.0.1:{self.etcd_port}"
@@ -453,13 +487,14 @@ class ControlPlane:
                 str(pki / "sa.pub"),
                 "--service-account-signing-key-file",
                 str(pki / "sa.key"),
-                "--encryption-provider-config",
-                str(encryption),
+                *(["--encryption-provider-config", str(encryption)] if encryption else []),
                 "--v",
                 "1",
             ],
         )
         self._wait("kube-apiserver", lambda: self._https_ok("/readyz"))
+        if new_key and had_data:
+            self._encrypt_stored_secrets()
         self._spawn(
             "kube-controller-manager",
             [
