@@ -90,6 +90,11 @@ async def test_pvh_image_is_built_once_and_a_kernel_without_one_keeps_its_bzimag
     mtime = k.pvh.stat().st_mtime_ns
     again, _ = await pvh_image(kernel, tmp_path)
     assert again.pvh == k.pvh and k.pvh.stat().st_mtime_ns == mtime
+    # a cached image cut short (a full disk, a crash) is built again, not booted
+    whole = k.pvh.read_bytes()
+    k.pvh.write_bytes(whole[:4096])
+    rebuilt, why = await pvh_image(kernel, tmp_path)
+    assert why is None and rebuilt.pvh == k.pvh and k.pvh.read_bytes() == whole
     # not a bzImage: it stays as it is, and says why
     junk = tmp_path / "vmlinuz-junk"
     junk.write_bytes(b"\0" * 8192)

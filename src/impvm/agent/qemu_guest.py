@@ -324,6 +324,25 @@ _DECODERS: tuple[tuple[bytes, str, Callable[[bytes], bytes]], ...] = (
 )
 
 
+def _usable_image(elf: bytes) -> bool:
+    """A whole ELF image with a PVH entry: every segment inside the file (a cached image cut
+    short, by a full disk or a crash, is built again instead of failing every probe boot)."""
+    try:
+        if not _has_pvh_note(elf):
+            return False
+        (phoff,) = struct.unpack_from("<Q", elf, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", elf, 0x36)
+        for i in range(phnum):
+            _t, _f, offset, _va, _pa, filesz = struct.unpack_from(
+                "<IIQQQQ", elf, phoff + i * phentsize
+            )
+            if offset + filesz > len(elf):
+                return False
+    except struct.error:
+        return False
+    return True
+
+
 def _has_pvh_note(elf: bytes) -> bool:
     """Whether a 64-bit little-endian ELF has the Xen ``PHYS32_ENTRY`` note (its PVH entry point)
     in a ``PT_NOTE`` segment."""
@@ -366,6 +385,16 @@ def extract_vmlinux(bzimage: bytes) -> bytes:
     return elf
 
 
+def _write_durably(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` (0644), on disk before it is renamed into place."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(path, 0o644)
+
+
 async def pvh_image(kernel: Kernel, cache_dir: Path) -> tuple[Kernel, str | None]:
     """``kernel`` with its PVH image (:func:`extract_vmlinux`), built once under ``cache_dir``
     (``vmlinux-<sha256 prefix of the bzImage>``, 0644) and reused; or ``kernel`` unchanged and
@@ -377,7 +406,12 @@ async def pvh_image(kernel: Kernel, cache_dir: Path) -> tuple[Kernel, str | None
         raise GuestAssetError(f"reading the guest kernel failed: {exc}") from exc
     dest = cache_dir / f"vmlinux-{hashlib.sha256(bz).hexdigest()[:16]}"
     if await asyncio.to_thread(dest.is_file):
-        return replace(kernel, pvh=dest), None
+        try:
+            cached = await asyncio.to_thread(dest.read_bytes)
+        except OSError:
+            cached = b""
+        if _usable_image(cached):
+            return replace(kernel, pvh=dest), None
     try:
         elf = await asyncio.to_thread(extract_vmlinux, bz)
     except ValueError as exc:
@@ -385,8 +419,7 @@ async def pvh_image(kernel: Kernel, cache_dir: Path) -> tuple[Kernel, str | None
     try:
         await asyncio.to_thread(cache_dir.mkdir, parents=True, exist_ok=True)
         tmp = cache_dir / f".{dest.name}.{uuid.uuid4().hex}"
-        await asyncio.to_thread(tmp.write_bytes, elf)
-        os.chmod(tmp, 0o644)
+        await asyncio.to_thread(_write_durably, tmp, elf)
         os.replace(tmp, dest)
     except OSError as exc:
         raise GuestAssetError(f"writing the guest kernel's PVH image failed: {exc}") from exc
