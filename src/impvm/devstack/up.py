@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx2
+from lightkube.core.exceptions import ApiError
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -124,14 +126,22 @@ class _Show:
             if self.console.is_terminal:
                 self.live = Live(console=self.console, refresh_per_second=2)
                 self.live.start()
-        status = await stack.pool_status()
+        try:
+            status = await stack.pool_status()
+            vms = await stack.vms()
+            if self.live is not None:
+                assert stack.kube is not None
+                view = render(summarize(await read_snapshot(stack.kube, NAMESPACE)))
+                self.live.update(Group(view, _vm_table(vms), _github_table(stack)))
+        except (httpx2.TransportError, ApiError) as e:
+            # the API server is being restarted (the service does that): show it, go on
+            line = f"API server not answering ({type(e).__name__})"
+            if line != self.last_line and self.live is None:
+                self.console.print(f"[{time.monotonic() - self.started:5.0f}s] {line}")
+                self.last_line = line
+            return None
         line = _pool_line(status)
-        vms = await stack.vms()
-        if self.live is not None:
-            assert stack.kube is not None
-            view = render(summarize(await read_snapshot(stack.kube, NAMESPACE)))
-            self.live.update(Group(view, _vm_table(vms), _github_table(stack)))
-        elif line != self.last_line:
+        if self.live is None and line != self.last_line:
             self.console.print(f"[{time.monotonic() - self.started:5.0f}s] {line}")
             self.last_line = line
         if self.jobs and not self.job_ids and status.get("idle", 0) >= MIN_IDLE:
