@@ -264,6 +264,24 @@ def test_rate_limit_waits_for_the_reset_and_says_when() -> None:
     assert s.requeue == PassSettings().resync_seconds  # passes go on; GitHub waits
 
 
+def test_a_rate_limit_answer_clears_an_earlier_unavailable() -> None:
+    """GitHub answering with a rate limit is GitHub answering: the 5xx condition of an earlier
+    pass does not stay True beside RateLimited until a list succeeds."""
+    down = GitHubFailure(kind="TransientError", message="GitHub 502 on /orgs/{org}/runners")
+    first = decide(world(github=GitHubView(connected=True, failure=down)))
+    assert conds(first)["GitHubUnavailable"]["status"] == "True"
+    limited = GitHubFailure(
+        kind="RateLimited", message="GitHub primary rate limit", rate_kind="primary", retry_after=60
+    )
+    pool = pool_obj(status={"conditions": list(conds(first).values())})
+    c = conds(decide(world(pool=pool, github=GitHubView(connected=True, failure=limited))))
+    assert c["RateLimited"]["status"] == "True"
+    assert (c["GitHubUnavailable"]["status"], c["GitHubUnavailable"]["reason"]) == (
+        "False",
+        "Available",
+    )
+
+
 def test_a_missing_key_is_a_credentials_event_not_a_github_error() -> None:
     failure = GitHubFailure(kind="CredentialsError", message="credentials Secret lacks key 'k'")
     plan = decide(world(github=GitHubView(failure=failure)))

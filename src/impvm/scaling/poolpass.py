@@ -882,6 +882,10 @@ def settle(world: PoolWorld, plan: PoolPlan, outcome: Outcome) -> Settlement:
                 f"JIT config for {f.vm} not minted ({f.kind}); retry in {delay:.0f}s",
             )
         last_failure = f
+    kinds = {m[0] for f in failures if (m := github_condition(f)) is not None}
+    if "RateLimited" in kinds and "GitHubUnavailable" not in kinds:
+        # a rate-limit answer is an answer: an earlier 5xx or timeout no longer holds
+        conds.set("GitHubUnavailable", False, "Available", "GitHub answered", now)
     if outcome.secret_write_failed:
         msg = outcome.secret_write_failed
         # each retry mints (and replaces) a registration: back off like a GitHub error
