@@ -148,11 +148,8 @@ class PlanExecutor:
             return
         deleted = self.ctx.kube.delete(ImpVMResource, d.name, namespace=self.ns)
         if await self._tolerate(deleted, d.done):
+            # its lifetime is observed when the API server removes it (operator/sources.py)
             self.ctx.sources.vm_deleted(self.ns, d.name)
-            created = {v.name: v.created_at for v in self.world.vms}.get(d.name)
-            if created is not None:
-                lived = max(0.0, (self.world.now - created).total_seconds())
-                metrics.VM_LIFETIME.labels(*self.key).observe(lived)
 
     async def _provision(self, plan: PoolPlan) -> Outcome:
         """Mint the missing JIT configs, then create VMs, each minted at once; the first

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -62,6 +63,7 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
+from impvm.operator.metrics import VM_LIFETIME
 from impvm.scaling.nodes import NodeLease
 from impvm.scaling.world import PoolObj, VMObj, parse_time
 from impvm.watchcache import Key, WatchCache, key_of
@@ -254,6 +256,8 @@ class CachedSource(KubeSource):
         self.namespaces = list(namespaces or ["*"])
         limits = {**MAX_OBJECTS, **(max_objects or {})}
         self._vm_index = _Index()
+        #: each cached VM's pool and creation time, to observe its lifetime when it goes
+        self._vm_born: dict[Key, tuple[str, dt.datetime]] = {}
         self._secret_index = _Index()
         self.on_vm, self.on_template, self.on_class, self.on_pool = (
             on_vm,
@@ -430,6 +434,17 @@ class CachedSource(KubeSource):
         cache = self._cache("vms", key[0])
         found = cache.get(key) if cache is not None else None
         old, new = self._vm_index.update(key, None if found is None else found.pool)
+        if found is not None:
+            self._vm_born[key] = (found.pool, found.vm.created_at)
+        elif (
+            (born := self._vm_born.pop(key, None)) is not None
+            and born[0]
+            and born[1].timestamp() > 0
+        ):
+            # a VM's life ends when the API server removes it (after its finalizers), whoever
+            # deleted it: the pool pass, the reaper, a person, the garbage collector
+            lived = (dt.datetime.now(dt.UTC) - born[1]).total_seconds()
+            VM_LIFETIME.labels(key[0], born[0]).observe(max(0.0, lived))
         if self.on_vm is not None:
             for pool in {old, new} - {None, ""}:
                 self.on_vm(key[0], str(pool))
