@@ -107,10 +107,14 @@ async def test_operator_and_agent_export_every_family(stack: Stack) -> None:
         assert forged.status_code == 401
         assert (await http.get(f"{agent_url}/healthz")).status_code == 200
 
-    async def reaper_judged() -> bool:
-        return "impvm_reaper_decisions_total" in await scrape(f"{operator_url}/metrics")
+    async def reaper_judged_and_a_vm_removed() -> bool:
+        # a finished VM's lifetime is observed once the API server has removed it (after the
+        # agent released it), which may come after both jobs are reported completed
+        got = await scrape(f"{operator_url}/metrics")
+        lived = any(s.value > 0 for s in got.get("impvm_vm_lifetime_seconds", []))
+        return "impvm_reaper_decisions_total" in got and lived
 
-    await wait_for("a reaper pass", reaper_judged, 60, stack)
+    await wait_for("a reaper pass and a VM removed", reaper_judged_and_a_vm_removed, 90, stack)
 
     operator = await scrape(f"{operator_url}/metrics")
     agent = await scrape(f"{agent_url}/metrics")
