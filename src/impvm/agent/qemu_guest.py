@@ -49,7 +49,7 @@ import stat
 import struct
 import uuid
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -324,23 +324,25 @@ _DECODERS: tuple[tuple[bytes, str, Callable[[bytes], bytes]], ...] = (
 )
 
 
+def _segments(elf: bytes) -> Iterator[tuple[int, int, int]]:
+    """``(p_type, p_offset, p_filesz)`` of each program header of a 64-bit little-endian ELF
+    (raises ``struct.error`` when the headers lie outside ``elf``)."""
+    (phoff,) = struct.unpack_from("<Q", elf, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", elf, 0x36)
+    for i in range(phnum):
+        p_type, _flags, p_offset, _va, _pa, p_filesz = struct.unpack_from(
+            "<IIQQQQ", elf, phoff + i * phentsize
+        )
+        yield p_type, p_offset, p_filesz
+
+
 def _usable_image(elf: bytes) -> bool:
     """A whole ELF image with a PVH entry: every segment inside the file (a cached image cut
     short, by a full disk or a crash, is built again instead of failing every probe boot)."""
     try:
-        if not _has_pvh_note(elf):
-            return False
-        (phoff,) = struct.unpack_from("<Q", elf, 0x20)
-        phentsize, phnum = struct.unpack_from("<HH", elf, 0x36)
-        for i in range(phnum):
-            _t, _f, offset, _va, _pa, filesz = struct.unpack_from(
-                "<IIQQQQ", elf, phoff + i * phentsize
-            )
-            if offset + filesz > len(elf):
-                return False
+        return _has_pvh_note(elf) and all(o + n <= len(elf) for _t, o, n in _segments(elf))
     except struct.error:
         return False
-    return True
 
 
 def _has_pvh_note(elf: bytes) -> bool:
@@ -348,12 +350,7 @@ def _has_pvh_note(elf: bytes) -> bool:
     in a ``PT_NOTE`` segment."""
     if elf[:4] != b"\x7fELF" or elf[4] != 2 or elf[5] != 1:
         return False
-    (phoff,) = struct.unpack_from("<Q", elf, 0x20)
-    phentsize, phnum = struct.unpack_from("<HH", elf, 0x36)
-    for i in range(phnum):
-        p_type, _flags, p_offset, _va, _pa, p_filesz = struct.unpack_from(
-            "<IIQQQQ", elf, phoff + i * phentsize
-        )
+    for p_type, p_offset, p_filesz in _segments(elf):
         if p_type != 4:  # PT_NOTE
             continue
         pos, end = p_offset, p_offset + p_filesz
