@@ -22,6 +22,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -269,6 +270,36 @@ async def nc_probe(netns: str, host: str, port: int, seconds: float = 3) -> str 
     if "HTTP/1" not in text:
         return None
     return text.strip().splitlines()[-1]
+
+
+#: what a connect from a guest namespace ends in, by errno (Python's own socket errors)
+CONNECT_SH = r"""
+import errno, socket, sys
+s = socket.socket()
+s.settimeout(float(sys.argv[3]))
+try:
+    s.connect((sys.argv[1], int(sys.argv[2])))
+    print("connected")
+except TimeoutError:
+    print("timeout")
+except OSError as e:
+    print({errno.EHOSTUNREACH: "unreachable", errno.ECONNREFUSED: "refused"}.get(e.errno, str(e)))
+"""
+
+
+async def connect_error(netns: str, host: str, port: int, seconds: float = 30) -> str:
+    """From inside ``netns``: how a TCP connect to ``host``:``port`` ends - ``connected``,
+    ``unreachable`` (an ICMP unreachable/prohibited came back), ``refused`` (a TCP reset), or
+    ``timeout`` (nothing came back within ``seconds``: the packet was dropped). A kind, never a
+    duration: what a job sees, without a timed assert."""
+    proc = await asyncio.create_subprocess_exec(
+        "ip", "netns", "exec", netns, sys.executable, "-c", CONNECT_SH, host, str(port),
+        str(seconds),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate()
+    return out.decode().strip() or err.decode(errors="replace").strip()[-300:]
 
 
 async def dns_probe(netns: str, name: str, server: str) -> str | None:

@@ -5,7 +5,8 @@ the JIT config (``HOST PORT NAME``), the one value a test may hand a guest at la
 
 Commands (one line, the server's answer to ``GET /next?vm=NAME&n=N``):
 ``tcp HOST PORT`` (send ``GET / HTTP/1.0``, report ``ok:<last line of the answer>`` or ``fail``),
-``dns NAME`` (``ok:<address>`` or ``fail``), ``serve PORT`` (busybox httpd answering
+``dns NAME`` (``ok:<address>`` or ``fail``), ``connect HOST PORT`` (how a TCP connect ends:
+``connected``, ``unreachable``, ``refused`` or ``other:<nc's message>``, e.g. its timeout), ``serve PORT`` (busybox httpd answering
 ``guest-NAME``), ``echo`` (``ok``), ``wait`` (ask again shortly), ``exit CODE``. Results come back as
 ``GET /result?vm=NAME&n=N&r=RESULT``.
 """
@@ -42,6 +43,16 @@ while :; do
     dns)
         out=$(nslookup "$2" 2>/dev/null | sed -n 's/^Address: *//p' | tail -n 1 | clean)
         if [ -n "$out" ]; then r="ok:$out"; else r=fail; fi
+        ;;
+    connect)
+        # how a connect ends: at once with an ICMP error or a reset, or by nc's 30 s timeout
+        out=$(timeout 40 nc -w 30 "$2" "$3" </dev/null 2>&1)
+        rc=$?
+        case "$out" in
+        *"No route to host"*) r=unreachable ;;
+        *refused*) r=refused ;;
+        *) if [ "$rc" -eq 0 ]; then r=connected; else r="other:$(echo "$out" | clean)"; fi ;;
+        esac
         ;;
     echo) r=ok ;;
     serve)

@@ -21,7 +21,7 @@ from impvm.agent.network.policy import (
 from impvm.agent.network.ruleset import Attachment, NetConfig, render
 from impvm.devstack.netns import GUEST_RANGES, pick_subnet
 
-from .conftest import World, dns_probe, kernel_log, nc_probe, policy_off, sh
+from .conftest import World, connect_error, dns_probe, kernel_log, nc_probe, policy_off, sh
 
 TCP80 = (PortRange("tcp", 80, 80),)
 
@@ -84,6 +84,42 @@ async def test_public_guest_reaches_the_internet_not_the_host_other_guests_metad
         await httpd.wait()
         await node_network.detach("t.pub.0000")
         await node_network.detach("t.other.0000")
+
+
+async def test_a_guest_connecting_to_another_guest_is_rejected_at_once_like_a_free_address(
+    world: World, node_network: NodeNetwork, tmp_path: Path
+) -> None:
+    """Guest to guest is rejected with ICMP admin-prohibited ("No route to host"), not dropped:
+    the job's connect fails at once instead of hanging, and a neighbour that exists answers
+    exactly like a slot nobody holds, so the answer reveals no other VM. The connect waits up to
+    30 s: a dropped packet shows as ``timeout``, whatever the machine's load."""
+    a = await _attach(node_network, tmp_path, "near-a")
+    b = await _attach(node_network, tmp_path, "near-b")
+    cfg = node_network.config
+    free = cfg.guest_address(cfg.slots - 1)  # no guest holds the last slot
+    httpd = await asyncio.create_subprocess_exec(
+        "ip", "netns", "exec", b.ifname, "busybox", "httpd", "-f", "-p", "8081", "-h",
+        str(tmp_path),
+    )  # fmt: skip
+    (tmp_path / "index.html").write_text("guest-near-b\n")
+    try:
+        # b serves (from b's own namespace it connects), and the way from a to it is rejected
+        assert await connect_error(b.ifname, b.address, 8081) == "connected"
+        assert await connect_error(a.ifname, b.address, 8081) == "unreachable"
+        assert await connect_error(a.ifname, free, 8081) == "unreachable"
+        assert await connect_error(b.ifname, a.address, 22) == "unreachable"
+        # the same connect gets through with a's rules off: the probe can tell
+        slot = cfg.slot_of(a.ifname)
+        assert slot is not None
+        subprocess_rule = f'iifname "{a.ifname}" accept'
+        sh("nft", "insert", "rule", "inet", cfg.table, "forward", *subprocess_rule.split())
+        assert await connect_error(a.ifname, b.address, 8081) == "connected"
+    finally:
+        httpd.terminate()
+        await httpd.wait()
+        await node_network.start()
+        await node_network.detach("t.near-a.0000")
+        await node_network.detach("t.near-b.0000")
 
 
 # (class layer, vm layer or None): the policy matrix, judged against layer_verdict

@@ -95,6 +95,13 @@ async def test_guest_reaches_the_internet_and_dns_but_not_the_host_another_guest
             "tcp 172.31.254.2 80",  # a private address
         ]
         assert await ctl.run("guest-a", *forbidden) == ["fail"] * 6
+        # refused at once with ICMP admin-prohibited, like an address no guest holds (a drop
+        # would show as nc's timeout)
+        free = node_network.config.guest_address(node_network.config.slots - 1)
+        assert await ctl.run("guest-a", f"connect {b_addr} 8081", f"connect {free} 8081") == [
+            "unreachable",
+            "unreachable",
+        ]
         # with the policy off the same probes get through: the test can fail
         slot_a = att[a.vm_id].slot
         policy_off(world, node_network.config.ifname(slot_a), slot_a)

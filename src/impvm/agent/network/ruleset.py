@@ -15,17 +15,22 @@ rebuild after a crash is the same operation as any other change. Chains:
 * ``input``: a packet from a guest interface to any address of the node (its gateway, the
   uplink's, loopback-bound services reached through a DNAT, broadcast) is rejected, except DNS to
   a configured resolver that lives on the node;
-* ``forward``: nothing opens a connection *to* a guest (only replies pass); a packet from a guest
-  interface is looked up in the ``guest_vm`` verdict map (interface name -> the VM's chain); an
-  interface with the prefix the map does not know is dropped (fail closed);
+* ``forward``: nothing opens a connection *to* a guest (only replies pass): from another guest
+  it is rejected, from anywhere else dropped; a packet from a guest interface is looked up in the
+  ``guest_vm`` verdict map (interface name -> the VM's chain); an interface with the prefix the
+  map does not know is dropped (fail closed);
 * ``vm-<s>``: IPv4 only, the slot's guest address only (no spoofing), replies of connections
   already let through, DNS to the configured resolvers, never another guest (the whole guest
   subnet), then one chain per egress layer (:mod:`impvm.agent.network.policy`), then accept;
 * ``postrouting`` (nat): guest traffic leaving through any non-guest interface is masqueraded
   behind that interface's address (NAT to the node's uplink).
 
-Rejections use ``icmpx admin-prohibited`` so a job fails fast instead of timing out; audit log
-lines are limited to 20 per second per layer (burst 40) so a scan cannot flood the kernel log.
+Rejections use ``icmpx admin-prohibited`` so a job fails fast instead of timing out ("No route to
+host"). Guest-to-guest traffic is rejected the same way whether a guest holds the address or not
+(a free slot's address is rejected by the sender's chain), so the answer tells a guest nothing
+about its neighbours; dropping it instead would have made a live neighbour the one address that
+times out. Audit log lines are limited to 20 per second per layer (burst 40) so a scan cannot
+flood the kernel log.
 """
 
 from __future__ import annotations
@@ -277,6 +282,7 @@ def render(cfg: NetConfig, attachments: Iterable[Attachment]) -> str:
         "type filter hook forward priority filter; policy accept;",
         [
             f"oifname {wild} ct state established,related accept",
+            f"iifname {wild} oifname {wild} {_REJECT}",
             f"oifname {wild} drop",
             f"iifname != {wild} accept",
             "iifname vmap @guest_vm",
