@@ -91,6 +91,7 @@ def test_a_component_without_a_usable_kubeconfig_is_one_line_and_exit_2(
     [
         ["doctor", "-o", "yaml"],
         ["agent", "--operator-url", "http://127.0.0.1:1", "--runtime", "bogus", "--workdir"],
+        ["agent", "--operator-url", "http://127.0.0.1:1", "--guest-network", "host", "--workdir"],
     ],
 )
 def test_an_unknown_choice_is_one_line_and_exit_2(tmp_path: Path, args: list[str]) -> None:

@@ -225,7 +225,7 @@ def agent(
         str,
         typer.Option(
             help="isolated: each VM its own interface, NAT and egress policy (root, nftables); "
-            "host: VMs share this host's network, no isolation (development only)."
+            "unisolated: VMs share this host's network, no isolation at all (development only)."
         ),
     ] = "isolated",
     guest_subnet: Annotated[
@@ -450,7 +450,7 @@ def doctor(
         Path | None, typer.Option(help="qemu runtime: guest kernel (default: newest usable).")
     ] = None,
     guest_network: Annotated[
-        str, typer.Option(help="isolated (checks nftables) or host.")
+        str, typer.Option(help="isolated (checks nftables) or unisolated (warns).")
     ] = "isolated",
     probe: Annotated[
         bool, typer.Option(help="qemu runtime: boot a probe guest (KVM, else TCG).")

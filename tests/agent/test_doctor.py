@@ -35,13 +35,36 @@ def test_verdict_lines_and_lease() -> None:
     ]
     v = verdict(checks)
     assert not v.ok and v.reason == "umoci: not found on PATH (apt-get install umoci)"
-    assert lease_value(v) == "failed: umoci: not found on PATH (apt-get install umoci)"
     assert lines(checks) == [
         "ok    skopeo: skopeo version 1.9.3",
         "warn  kvm: /dev/kvm: No such file -> load kvm",
         "FAIL  umoci: not found on PATH -> apt-get install umoci",
     ]
-    assert verdict(checks[:2]).ok and lease_value(verdict(checks[:2])) == "ok"
+    assert verdict(checks[:1]).ok and lease_value(verdict(checks[:1])) == "ok"
+    # a warning gates nothing and is shown with the verdict
+    assert verdict(checks[:2]).ok
+    assert lease_value(verdict(checks[:2])) == "ok; warning: kvm: /dev/kvm: No such file"
+    assert lease_value(verdict(checks)) == (
+        "failed: umoci: not found on PATH (apt-get install umoci); "
+        "warning: kvm: /dev/kvm: No such file"
+    )
+
+
+def test_unisolated_guests_are_a_warning_wherever_the_checks_show(tmp_path: Path) -> None:
+    """``--guest-network unisolated`` removes the boundary between guests and this host: the
+    doctor says so, and so does the agent's Lease (``impvm status`` shows it) - it never reads
+    as a plain "ok"."""
+    proc = doctor(tmp_path, "--runtime", "process", "--guest-network", "unisolated", "-o", "json")
+    by = {c["name"]: c for c in json.loads(proc.stdout)}
+    net = by["guest network"]
+    assert (net["ok"], net["required"]) == (False, False)
+    assert "unisolated" in net["detail"] and "reach every service" in net["detail"]
+    assert "nft" not in by
+    checks = [Check(c["name"], c["ok"], c["detail"], c["fix"], c["required"]) for c in by.values()]
+    shown = lease_value(verdict(checks))
+    assert "warning: guest network: guest network unisolated: VMs share this host" in shown
+    text = doctor(tmp_path, "--runtime", "process", "--guest-network", "unisolated").stdout
+    assert "warn  guest network: guest network unisolated" in text
 
 
 def test_this_host_can_run_the_process_runtime(tmp_path: Path) -> None:
@@ -73,7 +96,7 @@ def test_qemu_without_a_kernel(tmp_path: Path) -> None:
         str(tmp_path / "vmlinuz-none"),
         "--no-probe",
         "--guest-network",
-        "host",
+        "unisolated",
         "-o",
         "json",
     )

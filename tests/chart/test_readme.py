@@ -218,7 +218,7 @@ async def test_run_on_one_machine(tmp_path: Path) -> None:
         cfg["operator"]["listen"] = f"127.0.0.1:{port}"
         cfg["agent"].update(
             runtime="process",
-            guestNetwork="host",
+            guestNetwork="unisolated",
             insecureRegistries=[registry.address],
             readOnlyBinds=[str(p) for p in host_python_binds()],
         )

@@ -102,6 +102,7 @@ def _set(cfg: dict, dotted: str, value: object) -> None:
         (("operator.listen", "8080"), "operator.listen: Value error, want HOST:PORT"),
         (("agent.guestSubnet", "10.0.0.0/8"), "agent.guestSubnet: Value error, want a /16 to /28"),
         (("agent.guestNetwork", "bridge"), "agent.guestNetwork: Input should be 'isolated' or"),
+        (("agent.guestNetwork", "host"), "agent.guestNetwork: Value error, 'host' was renamed"),
         (("agent.guestDns", ["notanip"]), "agent.guestDns: Value error,"),
         (("pools.ci.scaling.minIdle", -1), "pools.ci.scaling.minIdle: Input should be greater"),
         (("pools.ci.platform.scope.org", "-bad-"), "pools.ci.platform.scope.org: String should"),
@@ -189,6 +190,23 @@ def test_cli_exits_2_with_one_line(tmp_path: Path, pem: bytes) -> None:
     proc = _impvm_up(tmp_path / "nope.yaml")
     assert (proc.returncode, proc.stderr) == (2, f"{tmp_path / 'nope.yaml'}: no such file\n")
     assert not (tmp_path / "state").exists()  # nothing started, nothing written
+
+
+def test_the_setting_that_removes_guest_isolation_says_so_in_its_name(
+    tmp_path: Path, pem: bytes
+) -> None:
+    """``host`` (user-mode networking, nothing between guest and host) is refused with what it
+    became; ``unisolated`` is accepted, named for what it removes."""
+    cfg = good(tmp_path, pem)
+    cfg["agent"]["guestNetwork"] = "host"
+    proc = _impvm_up(write(tmp_path, cfg))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (
+        f"{tmp_path / 'impvm.yaml'}: agent.guestNetwork: Value error, 'host' was renamed "
+        "'unisolated' (it isolates nothing); want isolated\n"
+    )
+    cfg["agent"]["guestNetwork"] = "unisolated"
+    assert load_config(write(tmp_path, cfg)).agent.guest_network == "unisolated"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")

@@ -3,7 +3,8 @@ with the chosen runtime? One :class:`Check` per requirement, each failed one say
 what to install or fix (the Debian package, the device, the setting).
 
 - both runtimes: ``skopeo`` and ``umoci`` (image pull and unpack) at their versions; free disk
-  in the work directory; ``nft`` when guests are isolated (``--guest-network isolated``);
+  in the work directory; ``nft`` when guests are isolated (``--guest-network isolated``), and a
+  warning when they are not (``unisolated``);
 - ``qemu``: ``qemu-system-x86_64``; a usable guest kernel; ``/dev/kvm`` and, with ``probe``, a
   real probe boot (KVM, else TCG: slow but working);
 - ``process``: ``bwrap`` and the user, pid, ipc, uts and cgroup namespaces it makes (a real
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from impvm.agent.lifecycle import Preflight
+from impvm.agent.network import ISOLATED, UNISOLATED, UNISOLATED_WARNING
 
 #: below this free space in the work directory no image fits (bytes)
 MIN_FREE_BYTES = 2 * 1024**3
@@ -56,14 +58,20 @@ def verdict(checks: Sequence[Check]) -> Preflight:
     """The agent's gate: ok when every required check passed; ``reason`` names the failed
     ones with their fixes. Pure."""
     failed = [c for c in checks if c.required and not c.ok]
+    warned = "; ".join(f"{c.name}: {c.detail}" for c in checks if not c.required and not c.ok)
     if not failed:
-        return Preflight()
-    return Preflight(ok=False, reason="; ".join(f"{c.name}: {c.detail} ({c.fix})" for c in failed))
+        return Preflight(warning=warned)
+    reason = "; ".join(f"{c.name}: {c.detail} ({c.fix})" for c in failed)
+    return Preflight(ok=False, reason=reason, warning=warned)
 
 
 def lease_value(preflight: Preflight) -> str:
-    """The ``imp.dev/preflight`` annotation: ``ok`` or ``failed: <reason>`` (bounded)."""
-    return "ok" if preflight.ok else f"failed: {preflight.reason}"[:LEASE_CHARS]
+    """The ``imp.dev/preflight`` annotation: ``ok`` or ``failed: <reason>``, followed by
+    ``; warning: <warnings>`` when a check warned (bounded)."""
+    text = "ok" if preflight.ok else f"failed: {preflight.reason}"
+    if preflight.warning:
+        text += f"; warning: {preflight.warning}"
+    return text[:LEASE_CHARS]
 
 
 def lines(checks: Sequence[Check]) -> list[str]:
@@ -218,6 +226,12 @@ async def kvm(workdir: Path, kernel: Path | None, probe: bool) -> list[Check]:
     return out
 
 
+def unisolated() -> Check:
+    """The warning of ``--guest-network unisolated``: not a failure (development runs like
+    this), but shown wherever the checks are (``impvm doctor``, the agent's Lease)."""
+    return Check("guest network", False, UNISOLATED_WARNING, "--guest-network isolated", False)
+
+
 async def run_checks(
     runtime: str,
     workdir: Path,
@@ -234,8 +248,10 @@ async def run_checks(
     else:
         checks.append(await tool("bwrap"))
     checks += [await tool("skopeo"), await tool("umoci")]
-    if guest_network == "isolated":
+    if guest_network == ISOLATED:
         checks.append(await tool("nft"))
+    elif guest_network == UNISOLATED:
+        checks.append(unisolated())
     checks.append(disk(workdir))
     if runtime == "qemu":
         checks.append(guest_kernel(qemu_kernel))

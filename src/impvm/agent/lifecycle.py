@@ -148,10 +148,12 @@ def holds_capacity(vm: VMRecord, node: str) -> bool:
 @dataclass(frozen=True)
 class Preflight:
     """Whether this host can run VMs at all (``reason`` says why not). An agent whose runtime
-    cannot work claims nothing."""
+    cannot work claims nothing. ``warning``: what the checks warned about (e.g. unisolated
+    guests), shown with the verdict but gating nothing."""
 
     ok: bool = True
     reason: str = ""
+    warning: str = ""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from impvm.agent.doctor import Check
 from impvm.agent.images import ImageStore
 from impvm.agent.jitsource import JitSource, OperatorJitSource
 from impvm.agent.lifecycle import Preflight
+from impvm.agent.network import UNISOLATED, UNISOLATED_WARNING, guest_network_error
 from impvm.agent.network.node import NetworkError, NodeNetwork, host_resolvers
 from impvm.agent.network.ruleset import NetConfig
 from impvm.agent.process import ProcessRuntime
@@ -99,15 +100,16 @@ def make_network(
     table: str,
     prefix: str,
 ) -> NodeNetwork | None:
-    """The node's guest networks for ``mode`` ``isolated`` (``None`` for ``host``: guests share
-    the agent's network, development only). ``dns``: resolvers for guests (``None``: the node's
-    own, :func:`host_resolvers`; ``["none"]``: no resolver). Raises ``ValueError`` naming the bad
-    setting."""
-    if mode == "host":
-        log.warning("--guest-network host: VMs are not isolated from this host or each other")
+    """The node's guest networks for ``mode`` ``isolated`` (``None`` for ``unisolated``: guests
+    share the agent's network, development only; a warning is logged). ``dns``: resolvers for
+    guests (``None``: the node's own, :func:`host_resolvers`; ``["none"]``: no resolver). Raises
+    ``ValueError`` naming the bad setting."""
+    error = guest_network_error(mode, "--guest-network")
+    if error is not None:
+        raise ValueError(error)
+    if mode == UNISOLATED:
+        log.warning("--guest-network unisolated: %s", UNISOLATED_WARNING)
         return None
-    if mode != "isolated":
-        raise ValueError(f"--guest-network {mode!r}: want isolated or host")
     if dns is None:
         dns = host_resolvers()
         if not dns:

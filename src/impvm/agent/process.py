@@ -10,7 +10,7 @@ Sandbox (per VM):
   inside the VM's own network namespace (``nsenter --net``: a veth pair to the node, NAT, the
   same egress policy as a QEMU guest; ``/etc/resolv.conf`` names the node's resolvers). The
   sandbox cannot reconfigure that namespace: it belongs to the agent's user namespace, not the
-  sandbox's. Without one (``--guest-network host``, development only) the sandbox shares the
+  sandbox's. Without one (``--guest-network unisolated``, development only) the sandbox shares the
   agent's network and reaches everything the host reaches, loopback included;
 * ``/``: the prepared image rootfs, read-only. bwrap cannot create mount points on a read-only
   bind, so ``/`` is bwrap's tmpfs with every top-level entry of the rootfs bound read-only (and

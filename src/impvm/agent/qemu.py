@@ -36,7 +36,7 @@ sends SIGTERM to every guest process and powers off when the runner ended.
 Network: with a node network (:class:`impvm.agent.network.node.NodeNetwork`, the default of
 ``impvm agent``) each VM gets its own tap device (``-netdev tap``), NAT to the node's uplink and
 its egress policy; the guest's address, gateway and resolvers arrive in ``opt/imp/config``
-(``net`` and ``dns`` lines). Without one (``--guest-network host``, development only) QEMU
+(``net`` and ``dns`` lines). Without one (``--guest-network unisolated``, development only) QEMU
 user-mode networking (slirp): guest 10.0.2.15/24, gateway 10.0.2.2 = the host's loopback, DNS
 10.0.2.3 - no isolation at all, the guest reaches every host loopback service.
 

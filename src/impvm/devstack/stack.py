@@ -14,7 +14,8 @@ Networks (as root, the default then): the stand-in listens in a namespace of its
 "internet" (:class:`impvm.devstack.netns.DevNetwork`); the agent gives each VM its own network
 (``guestNetwork: isolated``) and guests reach the stand-in through the node's NAT, as they
 would reach GitHub, and nothing else; the operator reaches it over the host's route to that
-namespace. Not as root: the stand-in on loopback and ``guestNetwork: host`` (no isolation).
+namespace. Not as root: the stand-in on loopback and ``guestNetwork: unisolated`` (no isolation,
+and the service says so at start).
 """
 
 from __future__ import annotations
@@ -277,7 +278,7 @@ def dev_config(
             guestDns=["none"],
         )
     else:
-        cfg["agent"]["guestNetwork"] = "host"
+        cfg["agent"]["guestNetwork"] = "unisolated"
     if webhook_secret_file is not None:
         cfg["github"]["webhookSecretFile"] = str(webhook_secret_file)
     if images is not None:

@@ -160,11 +160,12 @@ class AgentConfig(_Model):
         alias="readOnlyBinds",
         description="Host paths bound read-only into process-runtime sandboxes (development).",
     )
-    guest_network: Literal["isolated", "host"] = Field(
+    guest_network: Literal["isolated", "unisolated"] = Field(
         default="isolated",
         alias="guestNetwork",
         description="isolated: each VM its own network, NAT and egress policy (docs/network.md); "
-        "host: VMs share this host's network, no isolation (development only).",
+        "unisolated: VMs share this host's network and reach every service on it, no isolation "
+        "at all (development only; warned about at start and in impvm status).",
     )
     guest_subnet: str = Field(
         default="10.213.0.0/16",
@@ -185,6 +186,13 @@ class AgentConfig(_Model):
         alias="metricsListen",
         description="HOST:PORT of the agent's GET /metrics and GET /healthz.",
     )
+
+    @field_validator("guest_network", mode="before")
+    @classmethod
+    def _renamed(cls, v: object) -> object:
+        if v == "host":  # the old name: say what it became rather than only what is allowed
+            raise ValueError("'host' was renamed 'unisolated' (it isolates nothing); want isolated")
+        return v
 
     @field_validator("metrics_listen")
     @classmethod

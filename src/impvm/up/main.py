@@ -14,6 +14,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from impvm.agent.network import UNISOLATED, UNISOLATED_WARNING
 from impvm.up.config import ConfigError, load_config
 from impvm.up.service import Service
 
@@ -103,6 +104,8 @@ async def _serve(
         " (POST /webhooks/github, GET /metrics, GET /healthz)"
         f", agent node {service.node_name} (runtime {service.config.agent.runtime})"
     )
+    if service.config.agent.guest_network == UNISOLATED:
+        say(f"impvm: WARNING: agent.guestNetwork unisolated: {UNISOLATED_WARNING}")
     code: int | None = None
     try:
         while not stop.is_set():
