@@ -5,6 +5,7 @@ access reviews of the chart's ServiceAccounts show each can do its job and nothi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -17,11 +18,16 @@ import pytest
 import yaml
 from lightkube import Client
 from lightkube.codecs import from_dict
+from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ApiError
+from lightkube.models.authentication_v1 import BoundObjectReference, TokenRequestSpec
 from lightkube.models.authorization_v1 import ResourceAttributes, SubjectAccessReviewSpec
+from lightkube.models.coordination_v1 import LeaseSpec
+from lightkube.models.core_v1 import Container, PodSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.authorization_v1 import SubjectAccessReview
-from lightkube.resources.core_v1 import Namespace
+from lightkube.resources.coordination_v1 import Lease
+from lightkube.resources.core_v1 import Namespace, Node, Pod, ServiceAccountToken
 from lightkube.resources.scheduling_v1 import PriorityClass
 
 from impvm.devstack.controlplane import ControlPlane
@@ -258,9 +264,10 @@ AGENT: dict[tuple[str, str], set[str]] = {
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }
-#: the operator's leader-election Lease, in the release namespace only
+#: the operator's leader-election Lease, in the release namespace only (get and update of the
+#: Lease impvm-operator only: see test_the_operator_updates_only_its_own_lease)
 OPERATOR_IN_RELEASE_NAMESPACE: dict[tuple[str, str], set[str]] = {
-    ("coordination.k8s.io", "leases"): {"get", "list", "watch", "create", "update"},
+    ("coordination.k8s.io", "leases"): {"get", "list", "watch", "create"},
 }
 #: the agent's Lease, in the release namespace only
 AGENT_IN_RELEASE_NAMESPACE: dict[tuple[str, str], set[str]] = {
@@ -379,6 +386,100 @@ def test_service_accounts_can_do_their_job_and_nothing_else(
         assert agent == want_agent, (where, _diff(agent, want_agent))
 
 
+def test_the_operator_updates_only_its_own_lease(kube: Client, chart_rbac: str) -> None:
+    """The operator's leader election needs its own Lease; the agents' Leases in the same
+    namespace are theirs (the operator only reads them)."""
+    user = f"system:serviceaccount:{NAMESPACE}:{chart_rbac}-operator"
+
+    def may(verb: str, name: str) -> bool:
+        spec = SubjectAccessReviewSpec(
+            user=user,
+            groups=["system:serviceaccounts", f"system:serviceaccounts:{NAMESPACE}"],
+            resourceAttributes=ResourceAttributes(
+                namespace=NAMESPACE, verb=verb, group="coordination.k8s.io", resource="leases",
+                name=name,
+            ),
+        )  # fmt: skip
+        status = kube.create(SubjectAccessReview(spec=spec)).status
+        assert status is not None
+        return bool(status.allowed)
+
+    assert may("update", "impvm-operator") and may("get", "impvm-operator")
+    assert not may("update", "impvm-agent-node-1")
+    assert not may("patch", "impvm-operator") and not may("delete", "impvm-operator")
+
+
+def test_the_charts_agent_writes_only_for_its_node(
+    helm: Helm, kube: Client, kubectl: Kubectl, chart_rbac: str
+) -> None:
+    """The chart's agent, with the token the kubelet projects into its pod (bound to the pod,
+    so to its node): the chart's admission policies refuse its write of the operator's leader
+    Lease and of another node's Lease, and accept its own."""
+    rendered = helm.template_text("--show-only", "templates/agent-policies.yaml", release="review")
+    kubectl.run("apply", "--server-side", "-f", "-", stdin=rendered)
+    sa = f"{chart_rbac}-agent"
+    pod = f"agent-{uuid.uuid4().hex[:6]}"
+    node = f"node-{uuid.uuid4().hex[:6]}"
+    try:
+        kube.create(Node(metadata=ObjectMeta(name=node)))
+        made = kube.create(
+            Pod(
+                metadata=ObjectMeta(name=pod, namespace=NAMESPACE),
+                spec=PodSpec(
+                    nodeName=node,
+                    serviceAccountName=sa,
+                    containers=[Container(name="agent", image="registry.example/impvm-agent")],
+                ),
+            )
+        )
+        assert made.metadata is not None
+        ref = BoundObjectReference(apiVersion="v1", kind="Pod", name=pod, uid=made.metadata.uid)
+        got = kube.create(
+            ServiceAccountToken(
+                metadata=ObjectMeta(name=sa, namespace=NAMESPACE),
+                spec=TokenRequestSpec(audiences=[], expirationSeconds=3600, boundObjectRef=ref),
+            ),
+            name=sa,
+            namespace=NAMESPACE,
+        )
+        assert got.status is not None
+        kubeconfig = yaml.safe_load(kubectl.kubeconfig.read_text())
+        kubeconfig["users"] = [{"name": "agent", "user": {"token": got.status.token}}]
+        kubeconfig["contexts"][0]["context"]["user"] = "agent"
+        agent = Client(config=KubeConfig.from_dict(kubeconfig))
+
+        def lease(name: str, holder: str) -> Lease:
+            return Lease(
+                metadata=ObjectMeta(name=name, namespace=NAMESPACE),
+                spec=LeaseSpec(holderIdentity=holder),
+            )
+
+        # the policies take effect once loaded: wait for the first refusal
+        for _ in range(300):
+            try:
+                agent.apply(
+                    lease("impvm-operator", node), field_manager="x", force=True, dry_run=True
+                )
+            except ApiError as e:
+                assert "writes only the Lease impvm-agent-" in (e.status.message or ""), e.status
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the chart's agent could write the operator's leader Lease")
+        with pytest.raises(ApiError, match="writes only the Lease"):
+            agent.apply(
+                lease("impvm-agent-other-node", "other-node"), field_manager="x", force=True
+            )
+        agent.apply(lease(f"impvm-agent-{node}", node), field_manager="x", force=True)
+        kube.delete(Lease, f"impvm-agent-{node}", namespace=NAMESPACE)
+    finally:
+        with contextlib.suppress(ApiError):
+            kube.delete(Pod, pod, namespace=NAMESPACE)
+        with contextlib.suppress(ApiError):
+            kube.delete(Node, node)
+        kubectl.run("delete", "--wait=false", "-f", "-", stdin=rendered)
+
+
 def _diff(got: set[Any], want: set[Any]) -> dict[str, list[Any]]:
     return {"extra": sorted(got - want), "missing": sorted(want - got)}
 
@@ -394,4 +495,6 @@ def test_rendered_documents_are_all_known_kinds(helm: Helm) -> None:
         "Service",
         "Deployment",
         "DaemonSet",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
     }

@@ -203,6 +203,37 @@ def test_chart_carries_deploy_manifests_verbatim() -> None:
         assert (CHART / "files" / "rbac" / f"{component}.yaml").read_text() == source, hint
         package = REPO / "src" / "impvm" / "up" / "assets" / "rbac" / f"{component}.yaml"
         assert package.read_text() == source, hint
+    policies = (REPO / "deploy" / "policies" / "agent.yaml").read_text()
+    assert (CHART / "files" / "policies" / "agent.yaml").read_text() == policies, hint
+    package = REPO / "src" / "impvm" / "up" / "assets" / "policies" / "agent.yaml"
+    assert package.read_text() == policies, hint
+
+
+def test_rendered_agent_policies_are_deploy_policies_for_the_release(helm: Helm) -> None:
+    """The chart's admission policies are deploy/policies/agent.yaml's, with only the release's
+    agent user name and object names put in: same rules, same messages."""
+    source = [
+        d
+        for d in yaml.safe_load_all((REPO / "deploy" / "policies" / "agent.yaml").read_text())
+        if d
+    ]
+    for release, prefix in (("impvm", "impvm"), ("review", "review-impvm")):
+        docs = helm.template(release=release)
+        user = f"system:serviceaccount:impvm-system:{prefix}-agent"
+        for want in source:
+            name = prefix + want["metadata"]["name"].removeprefix("impvm")
+            got = one(docs, want["kind"], name)
+            assert got["metadata"]["labels"]["app.kubernetes.io/instance"] == release
+            if want["kind"] == "ValidatingAdmissionPolicyBinding":
+                assert got["spec"] == {
+                    **want["spec"],
+                    "policyName": prefix + want["spec"]["policyName"].removeprefix("impvm"),
+                }
+                continue
+            (cond,) = got["spec"]["matchConditions"]
+            assert cond["expression"] == f"request.userInfo.username == '{user}'"
+            rest = {k: v for k, v in got["spec"].items() if k != "matchConditions"}
+            assert rest == {k: v for k, v in want["spec"].items() if k != "matchConditions"}
 
 
 def test_rendered_rbac_rules_are_deploy_rbac_rules(helm: Helm) -> None:

@@ -350,6 +350,12 @@ class ControlPlane:
         write_private(path, yaml.safe_dump(cfg).encode())
         return path
 
+    def token_kubeconfig(self, token_file: Path) -> dict[str, object]:
+        """A kubeconfig (as a dict) of this API server whose credential is the bearer token in
+        ``token_file`` (``tokenFile``: clients read it again when a token is refused, so the
+        file can be renewed in place, like a projected ServiceAccount token)."""
+        return self._kubeconfig_dict("sa", {"tokenFile": str(token_file)})
+
     def _ports(self) -> tuple[int, int, int]:
         """(api, etcd client, etcd peer) ports: kept in ``ports.json`` when persistent (etcd
         records its peer URL with its data, and kubeconfigs name the API port)."""

@@ -114,15 +114,16 @@ def node_bound_token(
     namespace: str,
     name: str,
     node: str,
-    audience: str,
+    audience: str | None,
     seconds: int = 86400,
     labels: dict[str, str] | None = None,
 ) -> str:
-    """A token of ServiceAccount ``namespace/name`` for ``audience``, valid ``seconds``, bound
-    to the Node object ``node`` (created, with ``labels``, when missing): the API server then
-    names the node in the user's extra ``authentication.kubernetes.io/node-name`` and stops
-    honouring the token when the Node goes. What the kubelet's Pod-bound token is to a
-    DaemonSet pod, for an agent running as a plain process. Raises ``ApiError``."""
+    """A token of ServiceAccount ``namespace/name`` for ``audience`` (``None``: the API
+    server's own audiences, a token to talk to it), valid ``seconds``, bound to the Node object
+    ``node`` (created, with ``labels``, when missing): the API server then names the node in
+    the user's extra ``authentication.kubernetes.io/node-name`` and stops honouring the token
+    when the Node goes. What the kubelet's Pod-bound token is to a DaemonSet pod, for an agent
+    running as a plain process. Raises ``ApiError``."""
     try:
         n = client.get(Node, node)
     except ApiError as e:
@@ -138,7 +139,7 @@ def node_bound_token(
     req = ServiceAccountToken(
         metadata=ObjectMeta(name=name, namespace=namespace),
         spec=TokenRequestSpec(
-            audiences=[audience],
+            audiences=[audience] if audience is not None else [],
             expirationSeconds=seconds,
             boundObjectRef=BoundObjectReference(
                 apiVersion="v1", kind="Node", name=node, uid=n.metadata.uid

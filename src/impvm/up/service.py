@@ -7,7 +7,10 @@ Data directory (mode 0700)::
 
     controlplane/        certificates (made once), etcd data, ports.json, component logs
     controlplane/kubeconfig   admin kubeconfig (kubectl --kubeconfig ... get imprp,impvm)
-    operator.kubeconfig, agent.kubeconfig   the components' identities (client certificates)
+    operator.kubeconfig  the operator's identity (a client certificate of its ServiceAccount)
+    agent-<node>.kubeconfig, agent-<node>-api.token   the agent's identity: a token of its
+                         ServiceAccount bound to the Node object <node>, so the API server's
+                         admission policies (deploy/policies) know which node writes
     agent-<node>.token   the agent's node-bound token for the operator's JIT config hand-out
     agent-<node>/        image cache and per-VM scratch
     operator.log, agent-<node>.log
@@ -35,6 +38,7 @@ from importlib import resources
 from pathlib import Path
 from typing import IO, Any
 
+import yaml
 from lightkube import AsyncClient
 from lightkube.codecs import load_all_yaml
 from lightkube.config.kubeconfig import KubeConfig
@@ -49,7 +53,7 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.devstack.controlplane import ControlPlane
+from impvm.devstack.controlplane import ControlPlane, write_private
 from impvm.devstack.kube import admin_client, install_crds, node_bound_token
 from impvm.up.config import APP_SECRET, WEBHOOK_SECRET, ConfigError, UpConfig
 
@@ -64,6 +68,12 @@ COMPONENTS = ("operator", "agent")
 def rbac_manifest(component: str) -> str:
     """deploy/rbac/<component>.yaml as shipped in the package (a verbatim copy)."""
     return (resources.files("impvm.up") / "assets" / "rbac" / f"{component}.yaml").read_text()
+
+
+def policy_manifest() -> str:
+    """deploy/policies/agent.yaml as shipped in the package (a verbatim copy): the admission
+    policies that hold each agent to its own node."""
+    return (resources.files("impvm.up") / "assets" / "policies" / "agent.yaml").read_text()
 
 
 def default_node_name() -> str:
@@ -92,7 +102,8 @@ class Service:
     kube: AsyncClient | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     kubeconfigs: dict[str, Path] = field(default_factory=dict)
-    _argv: dict[str, tuple[list[str], str]] = field(default_factory=dict)
+    #: process name -> (arguments, kubeconfig it runs with)
+    _argv: dict[str, tuple[list[str], Path]] = field(default_factory=dict)
     _restarts: dict[str, _Restart] = field(default_factory=dict)
     #: node -> monotonic time its agent's hand-out token was last requested
     _tokens: dict[str, float] = field(default_factory=dict)
@@ -160,18 +171,23 @@ class Service:
                 raise
 
     async def _apply_rbac(self) -> None:
-        """The components' ServiceAccounts and roles (deploy/rbac), and a kubeconfig per
-        component that acts as its ServiceAccount: the processes get exactly what a cluster
-        deployment grants them."""
+        """The components' ServiceAccounts and roles (deploy/rbac), the agent's admission
+        policies (deploy/policies), and a kubeconfig per component that acts as its
+        ServiceAccount: the processes get exactly what a cluster deployment grants them. The
+        agent's is a token bound to its Node object, as a DaemonSet pod's is bound to its pod:
+        without a node name the policies refuse its every write."""
         assert self.kube is not None and self.control_plane is not None
         for component in COMPONENTS:
             for obj in load_all_yaml(rbac_manifest(component)):
                 await self.kube.apply(obj, force=True)
-            sa = f"system:serviceaccount:{SYSTEM_NAMESPACE}:impvm-{component}"
-            groups = ["system:serviceaccounts", f"system:serviceaccounts:{SYSTEM_NAMESPACE}"]
-            path = self.data_dir / f"{component}.kubeconfig"
-            await asyncio.to_thread(self.control_plane.client_kubeconfig, path, sa, groups)
-            self.kubeconfigs[component] = path
+        for obj in load_all_yaml(policy_manifest()):
+            await self.kube.apply(obj, force=True)
+        sa = f"system:serviceaccount:{SYSTEM_NAMESPACE}:impvm-operator"
+        groups = ["system:serviceaccounts", f"system:serviceaccounts:{SYSTEM_NAMESPACE}"]
+        path = self.data_dir / "operator.kubeconfig"
+        await asyncio.to_thread(self.control_plane.client_kubeconfig, path, sa, groups)
+        self.kubeconfigs["operator"] = path
+        self.kubeconfigs["agent"] = await asyncio.to_thread(self.agent_kubeconfig, self.node_name)
 
     async def _apply_secrets(self) -> None:
         """The App credentials (and webhook secret) from their files into Secrets of the
@@ -263,12 +279,12 @@ class Service:
 
     # ------------------------------------------------------------------ processes
 
-    def _spawn(self, name: str, args: list[str], component: str) -> None:
+    def _spawn(self, name: str, args: list[str], kubeconfig: Path) -> None:
         env = dict(os.environ)
         env.update(self.extra_env)
-        env["KUBECONFIG"] = str(self.kubeconfigs[component])
+        env["KUBECONFIG"] = str(kubeconfig)
         env["PYTHONUNBUFFERED"] = "1"
-        self._argv[name] = (args, component)
+        self._argv[name] = (args, kubeconfig)
         log: IO[bytes] = open(self.data_dir / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "impvm.cli", *args],
@@ -330,32 +346,46 @@ class Service:
         host, port = self.config.listen()
         url = f"http://{_near(host)}:{port}"
         args += ["--operator-url", url, "--token-file", str(self._token(node))]
-        self._spawn(f"agent-{node}", args, "agent")
+        self._spawn(f"agent-{node}", args, self.agent_kubeconfig(node))
 
     def _token_path(self, node: str) -> Path:
         return self.data_dir / f"agent-{node}.token"
 
-    def _token(self, node: str) -> Path:
-        """Write the agent's hand-out token for ``node`` (what the kubelet projects into a
-        DaemonSet pod): a TokenRequest for the agent ServiceAccount with the audience the
-        operator checks, bound to a Node object ``node`` (created when missing), so the API
-        server vouches for the node (``authentication.kubernetes.io/node-name``). Valid a
-        day; :meth:`supervise` renews it hourly. Returns the file (mode 0600)."""
+    def agent_kubeconfig(self, node: str) -> Path:
+        """The kubeconfig of ``node``'s agent (written when missing): the API server, and a
+        token file the agent re-reads when the API server refuses a token (lightkube's
+        ``tokenFile``) that :meth:`_token` keeps fresh."""
         assert self.control_plane is not None, "start() first"
-        token = node_bound_token(
-            admin_client(self.control_plane.kubeconfig),
-            SYSTEM_NAMESPACE,
-            "impvm-agent",
-            node,
-            JIT_HANDOUT_AUDIENCE,
-            labels=dict(MANAGED_BY),
-        )
+        path = self.data_dir / f"agent-{node}.kubeconfig"
+        api_token = self._token_path(node).with_name(f"agent-{node}-api.token")
+        if not api_token.is_file():
+            self._token(node)
+        cfg = self.control_plane.token_kubeconfig(api_token)
+        write_private(path, yaml.safe_dump(cfg).encode())
+        return path
+
+    def _token(self, node: str) -> Path:
+        """Write the agent's two tokens for ``node``, both of its ServiceAccount and bound to
+        the Node object ``node`` (created when missing), so the API server vouches for the node
+        (``authentication.kubernetes.io/node-name``), as for a DaemonSet pod's projected
+        tokens: one for the API server (its admission policies judge the agent's writes by
+        that node) and one with the audience of the operator's JIT config hand-out. Valid a
+        day; :meth:`supervise` renews them hourly. Returns the hand-out token's file (0600)."""
+        assert self.control_plane is not None, "start() first"
+        admin = admin_client(self.control_plane.kubeconfig)
         path = self._token_path(node)
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token)
-        os.replace(tmp, path)  # the agent never reads half a token
+        for audience, dest in (
+            (None, path.with_name(f"agent-{node}-api.token")),
+            (JIT_HANDOUT_AUDIENCE, path),
+        ):
+            token = node_bound_token(
+                admin, SYSTEM_NAMESPACE, "impvm-agent", node, audience, labels=dict(MANAGED_BY)
+            )
+            tmp = dest.with_suffix(".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token)
+            os.replace(tmp, dest)  # the agent never reads half a token
         self._tokens[node] = time.monotonic()
         return path
 
@@ -388,7 +418,7 @@ class Service:
         ]
         if self.config.github.api_url:
             args += ["--github-api-url", self.config.github.api_url]
-        self._spawn(name, args, "operator")
+        self._spawn(name, args, self.kubeconfigs["operator"])
         return name
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
@@ -455,8 +485,8 @@ class Service:
             if self.control_plane is not None and name in self.control_plane.procs:
                 self.control_plane.restart(name)
             else:
-                args, component = self._argv[name]
-                self._spawn(name, args, component)
+                args, kubeconfig = self._argv[name]
+                self._spawn(name, args, kubeconfig)
             done.append(f"{name} restarted")
         return done
 
