@@ -233,8 +233,44 @@ def agent(
     ] = "10.213.0.0/16",
     guest_dns: Annotated[
         list[str] | None,
-        typer.Option(help="Resolver for VMs, repeatable (default: the node's; 'none': none)."),
+        typer.Option(
+            help="Resolver for VMs, repeatable (default: the upstream ones of --guest-dns-from, "
+            "never the cluster's; 'none': none)."
+        ),
     ] = None,
+    guest_dns_from: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="resolv.conf whose resolvers VMs get, repeatable: the first naming one wins "
+            "(default: /etc/resolv.conf, then systemd-resolved's; in a pod, mount the node's)."
+        ),
+    ] = None,
+    node_cidr: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Node addresses (IP or CIDR) no VM reaches unless its policy names them, "
+            "repeatable; added to what the pod (HOST_IPS) and the Nodes tell."
+        ),
+    ] = None,
+    pod_cidr: Annotated[
+        list[str] | None,
+        typer.Option(help="The cluster's pod network, repeatable (added to the Nodes' podCIDRs)."),
+    ] = None,
+    service_cidr: Annotated[
+        list[str] | None,
+        typer.Option(help="The cluster's service network, repeatable (added to ServiceCIDRs)."),
+    ] = None,
+    cluster_dns: Annotated[
+        list[str] | None,
+        typer.Option(help="The cluster's DNS service address, repeatable (added to a pod's)."),
+    ] = None,
+    detect_cluster_networks: Annotated[
+        bool,
+        typer.Option(
+            help="Also keep VMs from what the pod and the API tell: the node's addresses, every "
+            "Node's addresses and podCIDRs, ServiceCIDRs, the pod's own resolvers."
+        ),
+    ] = True,
     network_table: Annotated[
         str, typer.Option(help="nftables table (inet family) holding the VMs' rules.")
     ] = "impvm",
@@ -272,7 +308,16 @@ def agent(
 
     from impvm.agent.main import default_node_name, host_memory_mib
     from impvm.agent.main import main as agent_main
+    from impvm.agent.network.cluster import from_settings
+    from impvm.agent.network.ruleset import NetConfigError
 
+    try:
+        static = from_settings(
+            node_cidr or [], pod_cidr or [], service_cidr or [], cluster_dns or []
+        )
+    except NetConfigError as exc:
+        typer.echo(f"impvm agent: {exc}", err=True)
+        raise typer.Exit(code=2) from None
     _require_kubeconfig("agent")
     agent_main(
         node_name or default_node_name(),
@@ -295,6 +340,9 @@ def agent(
         cosign,
         operator_url,
         token_file,
+        static,
+        detect_cluster_networks,
+        tuple(guest_dns_from or ()),
     )
 
 

@@ -241,8 +241,9 @@ def test_operator_pod_meets_the_restricted_pod_security_standard(helm: Helm, kub
 #: code, not from the RBAC files: operator (impvm.operator: kopf watches pools, the pool pass
 #: creates/deletes VMs, mints JIT Secrets, records Events, reads agent Leases; kopf discovers
 #: CRDs; the JIT config hand-out reviews agents' tokens) and agent (impvm.agent: claims VMs with
-#: a patch, writes their status, records Events, renews its Lease; it reads no Secret at all: its
-#: JIT configs come from the operator's hand-out).
+#: a patch, writes their status, records Events, renews its Lease, reads Nodes and ServiceCIDRs to
+#: keep guests from the cluster's networks; it reads no Secret at all: its JIT configs come from
+#: the operator's hand-out).
 OPERATOR: dict[tuple[str, str], set[str]] = {
     ("imp.dev", "impvmrunnerpools"): {"get", "list", "watch", "patch"},
     ("imp.dev", "impvmrunnerpools/status"): {"get", "patch"},
@@ -261,6 +262,8 @@ AGENT: dict[tuple[str, str], set[str]] = {
     ("imp.dev", "impvms"): {"get", "list", "watch", "patch"},
     ("imp.dev", "impvms/status"): {"get", "patch"},
     ("imp.dev", "impvmclasses"): {"get", "list", "watch"},
+    ("", "nodes"): {"get", "list", "watch"},  # the networks no VM reaches
+    ("networking.k8s.io", "servicecidrs"): {"get", "list", "watch"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }

@@ -142,6 +142,15 @@ def test_agent_daemonset(helm: Helm) -> None:
     assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in c[
         "env"
     ]
+    # guests never reach the node's addresses nor get the pod's resolvers (the cluster's DNS):
+    # the agent learns the node's addresses and gets the node's own resolv.conf
+    assert {"name": "HOST_IPS", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIPs"}}} in c[
+        "env"
+    ]
+    assert "--guest-dns-from=/etc/impvm/node-resolv.conf" in c["args"]
+    assert mounts["node-resolv-conf"] == "/etc/impvm/node-resolv.conf"
+    assert vols["node-resolv-conf"]["hostPath"] == {"path": "/etc/resolv.conf", "type": "File"}
+    assert not [a for a in c["args"] if a.startswith(("--guest-dns=", "--pod-cidr", "--no-detect"))]
     assert "limits" not in c["resources"]  # VMs share the container's cgroup
 
     # a node without KVM: no /dev/kvm mount (QEMU uses TCG); a KVM device plugin's resource
@@ -172,6 +181,12 @@ def test_full_values_render_every_option(helm: Helm) -> None:
     assert "--insecure-registry=registry.internal:5000" in a["args"]
     assert "--vcpu=32" in a["args"] and "--memory-mib=65536" in a["args"]
     assert "--guest-subnet=10.99.0.0/20" in a["args"]
+    assert "--guest-dns=192.0.2.53" in a["args"] and "--guest-dns=192.0.2.54" in a["args"]
+    assert not [x for x in a["args"] if x.startswith("--guest-dns-from")]  # resolvers given
+    for arg in ("--node-cidr=198.51.100.0/24", "--pod-cidr=10.244.0.0/16",
+                "--service-cidr=10.96.0.0/12", "--cluster-dns=10.96.0.10",
+                "--no-detect-cluster-networks"):  # fmt: skip
+        assert arg in a["args"], arg
     assert "--metrics-address=$(POD_IP):9464" in a["args"]
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in a["env"]
     assert "--guest-dns=192.0.2.53" in a["args"] and "--guest-dns=192.0.2.54" in a["args"]

@@ -5,7 +5,8 @@ the JIT config (``HOST PORT NAME``), the one value a test may hand a guest at la
 
 Commands (one line, the server's answer to ``GET /next?vm=NAME&n=N``):
 ``tcp HOST PORT`` (send ``GET / HTTP/1.0``, report ``ok:<last line of the answer>`` or ``fail``),
-``dns NAME`` (``ok:<address>`` or ``fail``), ``connect HOST PORT`` (how a TCP connect ends:
+``dns NAME [SERVER]`` (``ok:<address>`` or ``fail``), ``resolvers`` (``ok:`` and the
+nameservers of the guest's /etc/resolv.conf, each followed by ``_``), ``connect HOST PORT`` (how a TCP connect ends:
 ``connected``, ``unreachable``, ``refused`` or ``other:<nc's message>``, e.g. its timeout), ``serve PORT`` (busybox httpd answering
 ``guest-NAME``), ``echo`` (``ok``), ``wait`` (ask again shortly), ``exit CODE``. Results come back as
 ``GET /result?vm=NAME&n=N&r=RESULT``.
@@ -41,8 +42,12 @@ while :; do
         if echo "$out" | grep -q 'HTTP/1'; then r="ok:$(echo "$out" | tail -n 1 | clean)"; else r=fail; fi
         ;;
     dns)
-        out=$(nslookup "$2" 2>/dev/null | sed -n 's/^Address: *//p' | tail -n 1 | clean)
+        # the answer's addresses follow its Name: line (the server's own come before)
+        out=$(nslookup "$2" $3 2>/dev/null | sed -n '/^Name:/,$s/^Address:[[:space:]]*//p' | tail -n 1 | clean)
         if [ -n "$out" ]; then r="ok:$out"; else r=fail; fi
+        ;;
+    resolvers)
+        r="ok:$(sed -n 's/^nameserver[[:space:]]*//p' /etc/resolv.conf | tr '\n' '_' | clean)"
         ;;
     connect)
         # how a connect ends: at once with an ICMP error or a reset, or by nc's 30 s timeout

@@ -17,6 +17,7 @@ from impvm.agent.network.policy import (
     EgressLayer,
     PortRange,
     layer_verdict,
+    names_protected,
 )
 from impvm.agent.network.ruleset import Attachment, NetConfig, render
 from impvm.devstack.netns import GUEST_RANGES, pick_subnet
@@ -161,6 +162,47 @@ async def test_policy_matrix_matches_the_reference_semantics(
         assert await dns_probe(g.ifname, "github.test", world.dns) == world.a
     finally:
         await node_network.detach(f"t.m{policy}.0000")
+
+
+def _protected_policies(world: World) -> list[tuple[EgressLayer, ...]]:
+    """Policies against protected networks: internet address b stands for a node's public
+    address, the lan host for a pod network; each opens something, only some name them."""
+    b = f"{world.b}/32"
+    return [
+        (DEFAULT_LAYER,),
+        (EgressLayer("class", allow=(Allow("0.0.0.0/0"),)),),  # everything, naming nothing
+        (EgressLayer("class", allow=(Allow("172.31.254.0/24"), Allow("203.0.113.0/24"))),),
+        (EgressLayer("class", allow=(Allow(b, TCP80), Allow("172.31.254.2/32", TCP80))),),
+        (
+            EgressLayer("class", allow=(Allow(b, TCP80),)),
+            EgressLayer("vm", "allowlist", (Allow("0.0.0.0/0", TCP80),)),  # names none
+        ),
+    ]
+
+
+@pytest.mark.parametrize("policy", range(5))
+async def test_protected_networks_are_reached_only_where_every_layer_names_them(
+    world: World, node_network: NodeNetwork, tmp_path: Path, policy: int
+) -> None:
+    """With b and the lan host protected (as a node's address and a pod network are), a
+    wide allow entry - even 0.0.0.0/0 - opens neither; an entry inside them does, when every
+    layer has one. What the kernel does is what names_protected and layer_verdict say."""
+    protected = (f"{world.b}/32", "172.31.254.0/30")
+    layers = _protected_policies(world)[policy]
+    await node_network.set_protected(protected)
+    g = await _attach(node_network, tmp_path, f"p{policy}", layers)
+    try:
+        for target, (addr, port, answer) in _targets(world).items():
+            verdicts = [layer_verdict(layer, addr, "tcp", port) for layer in layers]
+            passes = names_protected(layers, protected, addr, "tcp", port)
+            want = answer if passes and "reject" not in verdicts else None
+            got = await nc_probe(g.ifname, addr, port)
+            assert got == want, (target, verdicts, passes)
+        if policy in (1, 2):  # the wide entries open the rest of their range
+            assert await nc_probe(g.ifname, world.a, 80) == "internet-a"
+    finally:
+        await node_network.detach(f"t.p{policy}.0000")
+        await node_network.set_protected(())
 
 
 async def test_audit_logs_what_it_would_drop_with_a_prefix_naming_the_vm(

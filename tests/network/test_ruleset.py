@@ -14,6 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from impvm.agent.network.cluster import (
+    ClusterRanges,
+    from_node,
+    from_pod,
+    from_service_cidr,
+    from_settings,
+    split_resolvers,
+)
 from impvm.agent.network.node import parse_resolvers
 from impvm.agent.network.policy import (
     BLOCKED_RANGES,
@@ -23,6 +31,7 @@ from impvm.agent.network.policy import (
     PortRange,
     egress_layers,
     layer_verdict,
+    names_protected,
 )
 from impvm.agent.network.ruleset import (
     LOG_PREFIX_MAX,
@@ -33,6 +42,7 @@ from impvm.agent.network.ruleset import (
     log_prefix,
     merge_ports,
     render,
+    vm_chain_rules,
 )
 from impvm.api.models import EgressPolicy, NetworkSpec
 
@@ -77,6 +87,8 @@ def _att(
         ({"subnet": "10.0.0.0/30"}, "prefix length"),
         ({"subnet": "10.0.0.1/24"}, "guest subnet"),
         ({"dns": ("fd00::1",)}, "guest DNS resolver"),
+        ({"protected": ("10.96.0.0/33",)}, "protected network"),
+        ({"protected": ("fd00::/8",)}, "protected network"),
     ],
 )
 def test_bad_settings_name_the_setting(kwargs: dict[str, object], field: str) -> None:
@@ -286,11 +298,16 @@ def scratch_netns() -> Iterator[str]:
         max_size=3,
         unique=True,
     ),
+    st.lists(cidrs, max_size=5),
 )
 def test_the_kernel_accepts_every_rendered_table(
-    scratch_netns: str, prefix: str, policies: list[tuple[EgressLayer, ...]], dns: list[str]
+    scratch_netns: str,
+    prefix: str,
+    policies: list[tuple[EgressLayer, ...]],
+    dns: list[str],
+    protected: list[str],
 ) -> None:
-    cfg = NetConfig(ifprefix=prefix, dns=tuple(dns))
+    cfg = NetConfig(ifprefix=prefix, dns=tuple(dns), protected=tuple(protected))
     atts = [_att(i * 7, ls, name=f"vm{i}") for i, ls in enumerate(policies)]
     out = subprocess.run(
         ["ip", "netns", "exec", scratch_netns, "nft", "-c", "-f", "-"],
@@ -299,3 +316,153 @@ def test_the_kernel_accepts_every_rendered_table(
         text=True,
     )
     assert out.returncode == 0, out.stderr
+
+
+# ------------------------------------------------------------------ protected networks
+
+NODE = "192.0.2.10/32"  # a node's public address
+SERVICES = "10.96.0.0/12"
+PROTECTED = (NODE, SERVICES, "10.244.0.0/16")
+
+
+def test_protected_networks_are_collapsed_and_keep_resolvers_inside_them_from_guests() -> None:
+    cfg = NetConfig(
+        dns=("10.96.0.10", "203.0.113.53"),
+        protected=("10.96.0.0/13", "10.104.0.0/13", "192.0.2.10", "192.0.2.10/32"),
+    )
+    assert cfg.protected == ("10.96.0.0/12", "192.0.2.10/32")
+    assert cfg.reachable_dns == ("203.0.113.53",)  # never the cluster's DNS
+    text = render(cfg, [_att(0)])
+    assert "10.96.0.10" not in text
+    assert text.count("ip daddr 203.0.113.53 udp dport 53 accept") == 2
+
+
+@pytest.mark.parametrize(
+    ("allow", "dst", "port", "named"),
+    [
+        ((), "192.0.2.10", 10250, False),  # the node: never by default
+        ((Allow("0.0.0.0/0"),), "192.0.2.10", 22, False),  # "everything" does not name it
+        ((Allow("10.0.0.0/8"),), "10.96.0.1", 443, False),  # nor a wide private range
+        ((Allow("10.0.0.0/8"),), "10.20.0.5", 5000, True),  # whose rest it opens
+        ((Allow("10.96.0.10/32", (PortRange("udp", 53, 53),)),), "10.96.0.10", 53, True),
+        ((Allow("10.96.0.10/32", (PortRange("udp", 53, 53),)),), "10.96.0.10", 54, False),
+        ((Allow("192.0.2.10/32", (PortRange("tcp", 30080, 30080),)),), "192.0.2.10", 30080, True),
+        ((Allow("192.0.2.0/24"),), "192.0.2.10", 10250, False),  # wider than the node address
+        ((), "203.0.113.7", 443, True),  # outside: not this rule's business
+    ],
+)
+def test_only_an_entry_inside_the_protected_networks_opens_them(
+    allow: tuple[Allow, ...], dst: str, port: int, named: bool
+) -> None:
+    proto = "udp" if port in (53, 54) else "tcp"
+    assert (
+        names_protected((EgressLayer("class", allow=allow),), PROTECTED, dst, proto, port) is named
+    )
+    # every layer must name it; audit opens nothing here
+    both = (EgressLayer("class", allow=allow), EgressLayer("vm", "allowlist", audit=True))
+    outside = dst in ("10.20.0.5", "203.0.113.7")
+    assert names_protected(both, PROTECTED, dst, proto, port) is outside
+
+
+def test_guard_chains_reject_the_protected_networks_unless_named() -> None:
+    cfg = NetConfig(protected=PROTECTED)
+    named = EgressLayer("class", allow=(Allow("10.96.0.10/32", (PortRange("udp", 53, 53),)),))
+    text = render(cfg, [_att(0), _att(1, (named,)), _att(2, (named, EgressLayer("vm")))])
+    assert (
+        "set protected {" in text
+        and "elements = { 10.96.0.0/12, 10.244.0.0/16, 192.0.2.10/32 }" in text
+    )
+    rules = {i: vm_chain_rules(cfg, _att(i, layers)) for i, layers in
+             ((0, ()), (1, (named,)), (2, (named, EgressLayer("vm")))) }  # fmt: skip
+    reject = "ip daddr @protected reject with icmpx type admin-prohibited"
+    assert reject in rules[0]
+    assert "ip daddr @protected jump vm-1-p0" in rules[1] and reject not in rules[1]
+    at = rules[2].index("ip daddr @protected jump vm-2-p0")
+    assert rules[2][at + 1] == reject  # the vm layer names none of them
+    assert "chain vm-1-p0 {\n    ip daddr 10.96.0.10/32 udp dport 53 return\n" in text
+    # before any layer: a wide allow in a layer never reaches the protected networks
+    for r in rules.values():
+        assert r.index(next(x for x in r if "@protected" in x)) < r.index(
+            next(x for x in r if x.startswith("jump vm-"))
+        )
+
+
+@given(
+    st.lists(allows, max_size=4),
+    st.integers(0, 2**32 - 1).map(lambda i: str(ipaddress.IPv4Address(i))),
+    st.sampled_from(["tcp", "udp"]),
+    st.integers(1, 65535),
+)
+def test_what_names_a_protected_network_lies_inside_it(
+    entries: list[Allow], dst: str, proto: str, port: int
+) -> None:
+    """The property: a protected destination passes only through an entry inside the
+    protected networks that matches it; nothing outside them is held back."""
+    layer = EgressLayer("class", allow=tuple(entries))
+    inside = [
+        a for a in entries
+        if any(ipaddress.IPv4Network(a.cidr).subnet_of(ipaddress.IPv4Network(p)) for p in PROTECTED)
+    ]  # fmt: skip
+    addr = ipaddress.IPv4Address(dst)
+    in_protected = any(addr in ipaddress.IPv4Network(p) for p in PROTECTED)
+    got = names_protected((layer,), PROTECTED, dst, proto, port)
+    if not in_protected:
+        assert got
+    else:
+        assert got == any(
+            addr in ipaddress.IPv4Network(a.cidr)
+            and (
+                not a.ports
+                or any(p.protocol == proto and p.first <= port <= p.last for p in a.ports)
+            )
+            for a in inside
+        )
+
+
+def test_the_pod_tells_the_nodes_addresses_the_kubernetes_service_and_the_clusters_dns() -> None:
+    env = {
+        "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+        "HOST_IPS": "192.0.2.10,2001:db8::10",
+        "HOST_IP": "192.0.2.99",
+    }
+    resolv = "search impvm-system.svc.cluster.local svc.cluster.local\nnameserver 10.96.0.10\n"
+    got = from_pod(env, resolv)
+    assert got == ClusterRanges(
+        nodes=("192.0.2.10/32",), services=("10.96.0.1/32",), dns=("10.96.0.10/32",)
+    )
+    assert from_pod({"HOST_IPS": "192.0.2.10"}, resolv) == ClusterRanges()  # not in a pod
+    assert from_pod({**env, "HOST_IPS": ""}, "").nodes == ("192.0.2.99/32",)
+
+
+def test_nodes_and_service_cidrs_give_addresses_and_networks_ipv4_only() -> None:
+    node = {
+        "metadata": {"name": "n1"},
+        "spec": {"podCIDR": "10.244.1.0/24", "podCIDRs": ["10.244.1.0/24", "fd00:10::/64"]},
+        "status": {
+            "addresses": [
+                {"type": "InternalIP", "address": "10.0.5.4"},
+                {"type": "ExternalIP", "address": "198.51.100.4"},
+                {"type": "InternalIP", "address": "fd00::4"},
+                {"type": "Hostname", "address": "n1"},
+            ]
+        },
+    }
+    assert from_node(node) == ClusterRanges(
+        nodes=("10.0.5.4/32", "198.51.100.4/32"), pods=("10.244.1.0/24",)
+    )
+    assert from_node({"metadata": {"name": "bare"}}) == ClusterRanges()
+    svc = {"spec": {"cidrs": ["10.96.0.0/12", "fd00:96::/112"]}}
+    assert from_service_cidr(svc) == ClusterRanges(services=("10.96.0.0/12",))
+    every = from_node(node).union(from_service_cidr(svc), from_node(node))
+    assert every.protected() == ("10.0.5.4/32", "10.96.0.0/12", "10.244.1.0/24", "198.51.100.4/32")
+    assert "nodes 10.0.5.4/32, 198.51.100.4/32; pods 10.244.1.0/24" in every.describe()
+
+
+def test_settings_name_the_flag_of_a_bad_network() -> None:
+    assert from_settings(pods=["10.244.0.0/16"], dns=["10.96.0.10"]) == ClusterRanges(
+        pods=("10.244.0.0/16",), dns=("10.96.0.10/32",)
+    )
+    with pytest.raises(NetConfigError, match="--service-cidr 'x'"):
+        from_settings(services=["x"])
+    keep, drop = split_resolvers(["10.96.0.10", "1.1.1.1"], ["10.96.0.0/12"])
+    assert (keep, drop) == (["1.1.1.1"], ["10.96.0.10"])

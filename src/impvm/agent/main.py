@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from lightkube import AsyncClient
@@ -20,8 +21,15 @@ from impvm.agent.images import ImageStore
 from impvm.agent.jitsource import JitSource, OperatorJitSource
 from impvm.agent.lifecycle import Preflight
 from impvm.agent.network import UNISOLATED, UNISOLATED_WARNING, guest_network_error
+from impvm.agent.network.cluster import (
+    ClusterRanges,
+    ClusterWatch,
+    from_pod,
+    in_pod,
+    split_resolvers,
+)
 from impvm.agent.network.node import NetworkError, NodeNetwork, host_resolvers
-from impvm.agent.network.ruleset import NetConfig
+from impvm.agent.network.ruleset import NetConfig, NetConfigError
 from impvm.agent.process import ProcessRuntime
 from impvm.agent.qemu import QemuRuntime, create_qemu_runtime
 from impvm.agent.runtime import Runtime, VMRuntimeError
@@ -92,6 +100,24 @@ def make_runtime(
     raise ValueError(f"runtime {name!r} is not available (known: process, qemu)")
 
 
+#: where a pod's resolvers are (ClusterFirst: the cluster's DNS service)
+POD_RESOLV_CONF = Path("/etc/resolv.conf")
+
+
+def cluster_ranges(static: ClusterRanges, env: Mapping[str, str] | None = None) -> ClusterRanges:
+    """The protected networks known at start: the settings' and, in a pod, what the pod
+    tells (:func:`~impvm.agent.network.cluster.from_pod`: the node's addresses, the
+    ``kubernetes`` Service, the pod's own resolvers as the cluster's DNS)."""
+    env = os.environ if env is None else env
+    if not in_pod(env):
+        return static
+    try:
+        text = POD_RESOLV_CONF.read_text()
+    except OSError:
+        text = ""
+    return static.union(from_pod(env, text))
+
+
 def make_network(
     workdir: Path,
     mode: str,
@@ -99,25 +125,50 @@ def make_network(
     dns: list[str] | None,
     table: str,
     prefix: str,
+    cluster: ClusterRanges | None = None,
+    dns_from: tuple[Path, ...] = (),
 ) -> NodeNetwork | None:
     """The node's guest networks for ``mode`` ``isolated`` (``None`` for ``unisolated``: guests
-    share the agent's network, development only; a warning is logged). ``dns``: resolvers for
-    guests (``None``: the node's own, :func:`host_resolvers`; ``["none"]``: no resolver). Raises
-    ``ValueError`` naming the bad setting."""
+    share the agent's network, development only; a warning is logged). ``cluster``: the
+    networks no guest reaches unless its policy names them (:func:`cluster_ranges`). ``dns``:
+    resolvers for guests (``None``: the upstream ones of ``dns_from``, resolv.conf files,
+    default the node's own, :func:`host_resolvers`, leaving out any inside ``cluster`` - never
+    the cluster's DNS; ``["none"]``: no resolver). Raises ``ValueError`` naming the bad
+    setting: also a ``--guest-dns`` inside ``cluster``."""
     error = guest_network_error(mode, "--guest-network")
     if error is not None:
         raise ValueError(error)
     if mode == UNISOLATED:
         log.warning("--guest-network unisolated: %s", UNISOLATED_WARNING)
         return None
+    cluster = cluster or ClusterRanges()
+    protected = cluster.protected()
     if dns is None:
-        dns = host_resolvers()
+        found = host_resolvers(dns_from) if dns_from else host_resolvers()
+        dns, dropped = split_resolvers(found, protected)
+        if dropped:
+            log.info("not for guests: %s (the cluster's, or the node's own)", ", ".join(dropped))
         if not dns:
-            log.warning("no resolver for guests found in /etc/resolv.conf; set --guest-dns")
+            where = ", ".join(map(str, dns_from)) or "/etc/resolv.conf"
+            log.warning("no resolver for guests found in %s; set --guest-dns", where)
     elif dns == ["none"]:
         dns = []
-    cfg = NetConfig(table=table, ifprefix=prefix, subnet=subnet, dns=tuple(dns))
-    log.info("guest networks: subnet %s, table inet %s, resolvers %s", subnet, table, dns)
+    else:
+        _, inside = split_resolvers(dns, protected)
+        if inside:
+            raise ValueError(
+                f"--guest-dns {inside[0]}: inside the cluster's or the node's networks "
+                f"({cluster.describe()}), which guests must not reach; name an upstream resolver"
+            )
+    try:
+        cfg = NetConfig(table=table, ifprefix=prefix, subnet=subnet, dns=tuple(dns),
+                        protected=protected)  # fmt: skip
+    except NetConfigError as exc:
+        raise ValueError(str(exc)) from None
+    log.info(
+        "guest networks: subnet %s, table inet %s, resolvers %s; never reached unless a "
+        "policy names them: %s", subnet, table, dns, cluster.describe(),
+    )  # fmt: skip
     return NodeNetwork(cfg, workdir / "network")
 
 
@@ -128,13 +179,21 @@ async def run(
     network: NodeNetwork | None = None,
     metrics_address: tuple[str, int] | None = None,
     preflight: Preflight | None = None,
+    cluster: ClusterRanges | None = None,
 ) -> None:
     """Run the agent until cancelled (credentials from KUBECONFIG or the ServiceAccount); first
-    rebuild the node's guest networks from what is running. ``jit``: where JIT configs come
-    from. ``metrics_address``: where ``GET /metrics`` and ``GET /healthz`` are served (None: not
+    rebuild the node's guest networks from what is running and, with ``cluster`` (the
+    networks known at start), keep the cluster's Nodes and ServiceCIDRs from guests too
+    (:class:`ClusterWatch`) before any VM starts. ``jit``: where JIT configs come from.
+    ``metrics_address``: where ``GET /metrics`` and ``GET /healthz`` are served (None: not
     served)."""
+    kube = AsyncClient(field_manager="impvm-agent")
+    watch = None
     if network is not None:
         await network.start()
+        if cluster is not None:
+            watch = ClusterWatch(kube, network, cluster)
+            await watch.start()
     server = None
     if metrics_address is not None:
         try:
@@ -145,10 +204,11 @@ async def run(
                 f"impvm agent: --metrics-address {host}:{port}: {exc.strerror}"
             ) from None
         log.info("metrics on %s:%d", *metrics_address)
-    kube = AsyncClient(field_manager="impvm-agent")
     try:
         await Agent(kube, runtime, config, preflight, jit=jit).run()
     finally:
+        if watch is not None:
+            await watch.close()
         await kube.close()
         await jit.close()
         if server is not None:
@@ -176,9 +236,15 @@ def main(
     cosign: str = "cosign",
     operator_url: str | None = None,
     token_file: Path = Path("/var/run/secrets/impvm/token"),
+    static_cluster: ClusterRanges | None = None,
+    detect_cluster: bool = True,
+    guest_dns_from: tuple[Path, ...] = (),
 ) -> None:
     """Blocking entry point of the CLI. ``metrics_address``: ``HOST:PORT`` of ``/metrics``, or
-    ``""`` for none."""
+    ``""`` for none. ``static_cluster``: the protected networks the settings name;
+    ``detect_cluster``: add what the pod and the API tell (:func:`cluster_ranges`,
+    :class:`ClusterWatch`). ``guest_dns_from``: resolv.conf files the guests' resolvers come
+    from (default: the node's)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if not operator_url:
         print("impvm agent: --operator-url is required (the JIT config hand-out)", file=sys.stderr)
@@ -189,9 +255,18 @@ def main(
     except ValueError as exc:
         print(f"impvm agent: --metrics-address {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    static = static_cluster or ClusterRanges()
+    cluster = cluster_ranges(static) if detect_cluster else static
     try:
         network = make_network(
-            workdir, guest_network, guest_subnet, guest_dns, network_table, network_prefix
+            workdir,
+            guest_network,
+            guest_subnet,
+            guest_dns,
+            network_table,
+            network_prefix,
+            cluster,
+            guest_dns_from,
         )
     except ValueError as exc:  # a bad option: one line naming it, exit 2
         print(f"impvm agent: {exc}", file=sys.stderr)
@@ -247,6 +322,7 @@ def main(
                 network,
                 metrics_at,
                 preflight,
+                cluster if detect_cluster else None,
             )
         )
     except NetworkError as exc:  # the node cannot isolate its VMs: do not run any

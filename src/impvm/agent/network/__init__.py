@@ -5,7 +5,9 @@
 * :mod:`impvm.agent.network.ruleset`: pure planning: address slots, interface names, the
   nftables table;
 * :mod:`impvm.agent.network.node`: :class:`~impvm.agent.network.node.NodeNetwork`, which creates
-  the interfaces and applies the table.
+  the interfaces and applies the table;
+* :mod:`impvm.agent.network.cluster`: the node's and the cluster's networks no guest reaches
+  unless its policy names them, from the settings, the pod and the API.
 
 The guest network modes (``impvm agent --guest-network``, ``impvm up``'s
 ``agent.guestNetwork``) are named here, with the warning the unisolated one carries wherever it

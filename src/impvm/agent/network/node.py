@@ -155,7 +155,7 @@ class NodeNetwork:
             address=self.config.guest_address(att.slot),
             prefixlen=30,
             gateway=self.config.gateway(att.slot),
-            dns=self.config.dns,
+            dns=self.config.reachable_dns,
         )
 
     # ------------------------------------------------------------------ act
@@ -224,6 +224,25 @@ class NodeNetwork:
                 log.warning("turned on net.ipv4.ip_forward (guests are routed through the node)")
         except OSError as exc:
             raise NetworkError(f"cannot turn on net.ipv4.ip_forward: {exc}") from None
+
+    async def set_protected(self, protected: tuple[str, ...]) -> bool:
+        """Make ``protected`` (IPv4 CIDRs) the networks no guest reaches unless its policy
+        names them (``NetConfig.protected``) and, once started, apply the table again when that
+        changed anything. Returns whether it did. Raises :class:`NetworkError` (the table
+        stays as it was) or ``NetConfigError`` for a bad network."""
+        async with self._lock:
+            new = replace(self.config, protected=protected)
+            if new.protected == self.config.protected:
+                return False
+            old, self.config = self.config, new
+            if self._loaded:
+                try:
+                    await self._apply()
+                except NetworkError:
+                    self.config = old
+                    raise
+            log.info("guests never reach (unless a policy names them): %s", new.protected)
+            return True
 
     async def attach(
         self,

@@ -17,11 +17,18 @@ One layer decides a new connection like this:
 
 Never subject to a policy (see :mod:`impvm.agent.network.ruleset`): a guest never reaches an
 address of its node nor another guest, and always reaches the node's configured DNS resolvers.
+
+*Protected* destinations (:func:`names_protected`): the node's addresses as the cluster knows
+them and the cluster's own networks (pods, services, its DNS) are reached only through an
+``allow`` entry that lies inside them - in every layer. An entry that covers more (``10.0.0.0/8``,
+``0.0.0.0/0``) opens the rest of its range, never them: opening the cluster must be said in so
+many words, never by a wide entry meant for something else.
 """
 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -175,13 +182,55 @@ def layer_verdict(
     return "log" if layer.audit else "reject"
 
 
+def collapse(cidrs: Iterable[str]) -> tuple[str, ...]:
+    """IPv4 networks (``a.b.c.d/n``, or an address for ``/32``) merged where they overlap or
+    touch, sorted, canonical. Raises ``ValueError`` for anything but IPv4."""
+    nets = [ipaddress.IPv4Network(c, strict=False) for c in cidrs]
+    return tuple(str(n) for n in ipaddress.collapse_addresses(nets))
+
+
+def explicit_entries(layer: EgressLayer, protected: Sequence[str]) -> tuple[Allow, ...]:
+    """The ``allow`` entries of ``layer`` that lie inside one of the ``protected`` networks
+    (canonical and collapsed, :func:`collapse`): the only ones that open them."""
+    nets = [ipaddress.IPv4Network(p) for p in protected]
+    return tuple(
+        a for a in layer.allow if any(ipaddress.IPv4Network(a.cidr).subnet_of(n) for n in nets)
+    )
+
+
+def names_protected(
+    layers: Sequence[EgressLayer],
+    protected: Sequence[str],
+    dst: str,
+    protocol: str | None = None,
+    port: int | None = None,
+) -> bool:
+    """Whether a new connection to ``dst`` may go on to the policy layers as far as the
+    protected networks are concerned: ``dst`` is outside them, or every layer has an explicit
+    entry (:func:`explicit_entries`) matching it. Audit does not open them. The reference
+    semantics of the rendered guard rules (tests compare the two)."""
+    addr = ipaddress.IPv4Address(dst)
+    if not any(addr in ipaddress.IPv4Network(p) for p in protected):
+        return True
+    return all(
+        any(
+            addr in ipaddress.IPv4Network(a.cidr) and _port_matches(a.ports, protocol, port)
+            for a in explicit_entries(layer, protected)
+        )
+        for layer in layers
+    )
+
+
 __all__ = [
     "BLOCKED_RANGES",
     "DEFAULT_LAYER",
     "Allow",
     "EgressLayer",
     "PortRange",
+    "collapse",
     "egress_layers",
+    "explicit_entries",
     "layer_from_api",
     "layer_verdict",
+    "names_protected",
 ]

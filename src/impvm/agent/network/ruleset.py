@@ -20,8 +20,12 @@ rebuild after a crash is the same operation as any other change. Chains:
   ``guest_vm`` verdict map (interface name -> the VM's chain); an interface with the prefix the
   map does not know is dropped (fail closed);
 * ``vm-<s>``: IPv4 only, the slot's guest address only (no spoofing), replies of connections
-  already let through, DNS to the configured resolvers, never another guest (the whole guest
-  subnet), then one chain per egress layer (:mod:`impvm.agent.network.policy`), then accept;
+  already let through, DNS to the configured resolvers (those outside the protected set), never
+  another guest (the whole guest subnet), the protected set (``NetConfig.protected``: the
+  node's addresses and the cluster's pod, service and DNS networks) only where every layer
+  names it explicitly (chains ``vm-<s>-p<i>``, :func:`~impvm.agent.network.policy.
+  names_protected`), then one chain per egress layer (:mod:`impvm.agent.network.policy`), then
+  accept;
 * ``postrouting`` (nat): guest traffic leaving through any non-guest interface is masqueraded
   behind that interface's address (NAT to the node's uplink).
 
@@ -42,7 +46,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from impvm.agent.network.policy import BLOCKED_RANGES, DEFAULT_LAYER, EgressLayer, PortRange
+from impvm.agent.network.policy import (
+    BLOCKED_RANGES,
+    DEFAULT_LAYER,
+    Allow,
+    EgressLayer,
+    PortRange,
+    collapse,
+    explicit_entries,
+)
 
 Kind = Literal["tap", "netns"]
 
@@ -67,13 +79,19 @@ class NetConfig:
     ``table``: nftables table name (``inet`` family); ``ifprefix``: name prefix of the guest
     interfaces and per-VM namespaces (``[a-z][a-z0-9]{0,7}``; names are ``<prefix>-<slot>``, so
     two agents with different prefixes never match each other's wildcard); ``subnet``: IPv4 guest
-    subnet, /16 to /28; ``dns``: IPv4 resolvers guests use and may always reach on port 53.
+    subnet, /16 to /28; ``dns``: IPv4 resolvers guests use and may always reach on port 53 (but
+    see ``protected``); ``protected``: IPv4 networks no guest reaches unless every layer of its
+    policy names them explicitly - the node's addresses as seen from where the guests' traffic
+    leaves (in a pod: the node's, not the pod's own, which ``input`` guards) and the cluster's
+    pod, service and DNS networks (:mod:`impvm.agent.network.cluster`); kept collapsed and
+    canonical. A resolver inside them is neither given to guests nor let through.
     """
 
     table: str = "impvm"
     ifprefix: str = "impvm"
     subnet: str = DEFAULT_SUBNET
     dns: tuple[str, ...] = ()
+    protected: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not _TABLE_RE.match(self.table):
@@ -91,6 +109,22 @@ class NetConfig:
                 ipaddress.IPv4Address(d)
             except ValueError:
                 raise NetConfigError(f"guest DNS resolver {d!r}: not an IPv4 address") from None
+        for p in self.protected:
+            try:
+                ipaddress.IPv4Network(p, strict=False)
+            except ValueError:
+                raise NetConfigError(f"protected network {p!r}: not an IPv4 CIDR") from None
+        object.__setattr__(self, "protected", collapse(self.protected))
+
+    def is_protected(self, address: str) -> bool:
+        """Whether ``address`` (IPv4) lies in the protected networks."""
+        addr = ipaddress.IPv4Address(address)
+        return any(addr in ipaddress.IPv4Network(p) for p in self.protected)
+
+    @property
+    def reachable_dns(self) -> tuple[str, ...]:
+        """The resolvers guests are given and may reach: ``dns`` outside ``protected``."""
+        return tuple(d for d in self.dns if not self.is_protected(d))
 
     @property
     def network(self) -> ipaddress.IPv4Network:
@@ -215,14 +249,7 @@ def log_prefix(layer: str, namespace: str, name: str) -> str:
 def layer_rules(layer: EgressLayer, prefix: str) -> list[str]:
     """The rules of one layer chain: ``return`` for what the layer lets through, then reject
     (or, with ``audit``, a rate-limited log line) for the rest; the chain's end returns."""
-    rules: list[str] = []
-    for a in layer.allow:
-        if not a.ports:
-            rules.append(f"ip daddr {a.cidr} return")
-            continue
-        for proto, spans in merge_ports(a.ports).items():
-            items = [str(f) if f == last else f"{f}-{last}" for f, last in spans]
-            rules.append(f"ip daddr {a.cidr} {proto} dport {_set(items)} return")
+    rules = [f"{m} return" for a in layer.allow for m in _allow_match(a)]
     match = f"ip daddr {_set(list(BLOCKED_RANGES))} " if layer.mode == "public" else ""
     if layer.audit:
         rules.append(f'{match}{_LIMIT} log prefix "{prefix}" level warn')
@@ -231,19 +258,53 @@ def layer_rules(layer: EgressLayer, prefix: str) -> list[str]:
     return rules
 
 
+def _dns_rules(cfg: NetConfig) -> list[str]:
+    dns = list(cfg.reachable_dns)
+    if not dns:
+        return []
+    return [f"ip daddr {_set(dns)} {proto} dport 53 accept" for proto in ("udp", "tcp")]
+
+
+def _allow_match(a: Allow) -> list[str]:
+    """The matches of one allow entry (one per protocol when it lists ports)."""
+    if not a.ports:
+        return [f"ip daddr {a.cidr}"]
+    out = []
+    for proto, spans in merge_ports(a.ports).items():
+        items = [str(f) if f == last else f"{f}-{last}" for f, last in spans]
+        out.append(f"ip daddr {a.cidr} {proto} dport {_set(items)}")
+    return out
+
+
+def guard_rules(cfg: NetConfig, att: Attachment) -> tuple[list[str], dict[str, list[str]]]:
+    """The protected set's rules of chain ``vm-<slot>`` and the chains they jump to: per layer,
+    a destination in ``@protected`` is rejected unless one of the layer's explicit entries
+    (inside the set) matches; a layer without such entries rejects it outright."""
+    if not cfg.protected:
+        return [], {}
+    rules: list[str] = []
+    chains: dict[str, list[str]] = {}
+    for i, layer in enumerate(att.effective_layers()):
+        named = explicit_entries(layer, cfg.protected)
+        if not named:
+            rules.append(f"ip daddr @protected {_REJECT}")
+            break
+        name = f"vm-{att.slot}-p{i}"
+        rules.append(f"ip daddr @protected jump {name}")
+        chains[name] = [f"{m} return" for a in named for m in _allow_match(a)] + [_REJECT]
+    return rules, chains
+
+
 def vm_chain_rules(cfg: NetConfig, att: Attachment) -> list[str]:
     """The rules of chain ``vm-<slot>`` (see the module docstring)."""
     rules = [
         "meta nfproto != ipv4 drop",
         f"ip saddr != {cfg.guest_address(att.slot)} drop",
         "ct state established,related accept",
+        *_dns_rules(cfg),
+        f"ip daddr {cfg.subnet} {_REJECT}",
+        *guard_rules(cfg, att)[0],
     ]
-    if cfg.dns:
-        rules += [
-            f"ip daddr {_set(list(cfg.dns))} udp dport 53 accept",
-            f"ip daddr {_set(list(cfg.dns))} tcp dport 53 accept",
-        ]
-    rules.append(f"ip daddr {cfg.subnet} {_REJECT}")
     rules += [f"jump vm-{att.slot}-{i}" for i, _ in enumerate(att.effective_layers())]
     rules.append("accept")
     return rules
@@ -261,6 +322,10 @@ def render(cfg: NetConfig, attachments: Iterable[Attachment]) -> str:
     if elements:
         lines.append(f"    elements = {{ {elements} }}")
     lines.append("  }")
+    if cfg.protected:
+        lines += ["  set protected {", "    type ipv4_addr", "    flags interval"]
+        lines.append(f"    elements = {{ {', '.join(cfg.protected)} }}")
+        lines.append("  }")
 
     def chain(name: str, head: str | None, rules: list[str]) -> None:
         lines.append(f"  chain {name} {{")
@@ -269,13 +334,7 @@ def render(cfg: NetConfig, attachments: Iterable[Attachment]) -> str:
         lines.extend(f"    {r}" for r in rules)
         lines.append("  }")
 
-    input_rules = [f"iifname != {wild} accept"]
-    if cfg.dns:
-        input_rules += [
-            f"ip daddr {_set(list(cfg.dns))} udp dport 53 accept",
-            f"ip daddr {_set(list(cfg.dns))} tcp dport 53 accept",
-        ]
-    input_rules.append(_REJECT)
+    input_rules = [f"iifname != {wild} accept", *_dns_rules(cfg), _REJECT]
     chain("input", "type filter hook input priority filter; policy accept;", input_rules)
     chain(
         "forward",
@@ -296,6 +355,8 @@ def render(cfg: NetConfig, attachments: Iterable[Attachment]) -> str:
     )
     for a in atts:
         chain(f"vm-{a.slot}", None, vm_chain_rules(cfg, a))
+        for name, rules in guard_rules(cfg, a)[1].items():
+            chain(name, None, rules)
         for i, layer in enumerate(a.effective_layers()):
             prefix = log_prefix(layer.name, a.namespace, a.name)
             chain(f"vm-{a.slot}-{i}", None, layer_rules(layer, prefix))
@@ -336,6 +397,7 @@ __all__ = [
     "NetConfigError",
     "create_commands",
     "free_slot",
+    "guard_rules",
     "layer_rules",
     "log_prefix",
     "merge_ports",
