@@ -53,14 +53,15 @@ def test_secrets_are_encrypted_in_etcd_files(
 
 
 def _stored(cp: ControlPlane, key: str) -> bytes:
-    """The value etcd holds now for ``key`` (etcd's JSON gateway to its KV API)."""
+    """The value etcd holds now for ``key`` (etcd's JSON gateway to its KV API, with the client
+    certificate etcd requires)."""
     import base64
     import json
     import urllib.request
 
     body = json.dumps({"key": base64.b64encode(key.encode()).decode()}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{cp.etcd_port}/v3/kv/range", data=body)
-    with urllib.request.urlopen(req, timeout=10) as r:
+    req = urllib.request.Request(f"{cp.etcd_url}/v3/kv/range", data=body)
+    with urllib.request.urlopen(req, timeout=10, context=cp.etcd_tls()) as r:
         kvs = json.loads(r.read()).get("kvs") or []
     return base64.b64decode(kvs[0]["value"]) if kvs else b""
 

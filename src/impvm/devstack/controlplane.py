@@ -8,6 +8,17 @@ the service-account signing key are generated with ``cryptography``: per start f
 control plane, once for a ``persistent`` one (``impvm up``), which also keeps its ports and etcd's
 data (written with fsync) in ``workdir`` so a restart, or a reboot, carries on where it stopped.
 
+Nothing it opens answers a local user who holds none of its keys (``pki/``, mode 0700):
+
+* etcd's client URL (KV API, JSON gateway, ``/metrics``, ``/health``) and its peer URL are
+  HTTPS on loopback with client certificates required (``--client-cert-auth``,
+  ``--peer-client-cert-auth``), from an etcd CA of their own that signs only etcd's, the API
+  server's (``--etcd-certfile``) and the peer certificate - a Kubernetes client certificate is
+  no etcd credential (kubeadm's ``etcd/ca`` layout);
+* kube-apiserver: TLS on ``bind_address`` (loopback by default), no anonymous requests
+  (``--anonymous-auth=false``: even ``/healthz`` and ``/version`` need a credential), RBAC;
+* kube-controller-manager serves no port (``--secure-port 0``).
+
 Secrets are encrypted at rest: kube-apiserver gets an ``EncryptionConfiguration`` (Kubernetes
 docs, "Encrypting Confidential Data at Rest") with the ``secretbox`` provider (XSalsa20 +
 Poly1305) and a 32-byte key made once in ``pki/`` (0600), so the App's private key and the JIT
@@ -217,6 +228,19 @@ class ControlPlane:
         return f"https://127.0.0.1:{self.api_port}"
 
     @property
+    def etcd_url(self) -> str:
+        """etcd's client URL (HTTPS, client certificates required)."""
+        return f"https://127.0.0.1:{self.etcd_port}"
+
+    def etcd_tls(self) -> ssl.SSLContext:
+        """A TLS context that trusts etcd's CA and presents the API server's etcd client
+        certificate: what it takes to talk to this etcd (root, or whoever reads ``pki/``)."""
+        ctx = ssl.create_default_context(cafile=str(self.pki / "etcd-ca.crt"))
+        ctx.load_cert_chain(str(self.pki / "apiserver-etcd-client.crt"),
+                            str(self.pki / "apiserver-etcd-client.key"))  # fmt: skip
+        return ctx
+
+    @property
     def kubectl(self) -> Path:
         """The kubectl built with the control plane."""
         assert self.assets is not None, "start() first"
@@ -255,16 +279,33 @@ class ControlPlane:
                     serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
                 ),
             )
+        # etcd's own CA: only what it signs may talk to etcd (never a Kubernetes client cert)
+        etcd_ca_name = _name("impvm-etcd-ca")
+        if keep and (pki / "etcd-ca.crt").is_file() and (pki / "etcd-ca.key").is_file():
+            etcd_ca_key = self._ca_key("etcd-ca")
+        else:
+            etcd_ca_key = _key()
+            etcd_ca = _cert(etcd_ca_name, etcd_ca_key, etcd_ca_name, etcd_ca_key, ca=True,
+                            days=ca_days)  # fmt: skip
+            write_private(pki / "etcd-ca.key", _pem_key(etcd_ca_key))
+            write_private(pki / "etcd-ca.crt", etcd_ca.public_bytes(serialization.Encoding.PEM))
         leaves = {
-            "apiserver": (_name("kube-apiserver"), {"server": True}),
-            "admin": (_name("impvm-admin", "system:masters"), {"client": True}),
-        }
-        for stem, (subject, kind) in leaves.items():
+            "apiserver": (_name("kube-apiserver"), {"server": True}, ca_name, ca_key),
+            "admin": (_name("impvm-admin", "system:masters"), {"client": True}, ca_name, ca_key),
+            # etcd's own gRPC gateway connects to it with this certificate: client use too
+            "etcd-server": (_name("etcd"), {"server": True, "client": True}, etcd_ca_name,
+                            etcd_ca_key),
+            "etcd-peer": (_name("etcd-peer"), {"server": True, "client": True}, etcd_ca_name,
+                          etcd_ca_key),
+            "apiserver-etcd-client": (_name("kube-apiserver-etcd-client"), {"client": True},
+                                      etcd_ca_name, etcd_ca_key),
+        }  # fmt: skip
+        for stem, (subject, kind, issuer, issuer_key) in leaves.items():
             crt, key_path = pki / f"{stem}.crt", pki / f"{stem}.key"
             if keep and _fresh(crt, key_path):
                 continue
             key = _key()
-            cert = _cert(subject, key, ca_name, ca_key, days=leaf_days, **kind)
+            cert = _cert(subject, key, issuer, issuer_key, days=leaf_days, **kind)
             write_private(key_path, _pem_key(key))
             write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
 
@@ -322,8 +363,8 @@ class ControlPlane:
             raise ControlPlaneError(f"encrypting stored Secrets: {put.stderr.decode()[-500:]}")
         return len(listed["items"])
 
-    def _ca_key(self) -> rsa.RSAPrivateKey:
-        key = serialization.load_pem_private_key((self.pki / "ca.key").read_bytes(), None)
+    def _ca_key(self, stem: str = "ca") -> rsa.RSAPrivateKey:
+        key = serialization.load_pem_private_key((self.pki / f"{stem}.key").read_bytes(), None)
         assert isinstance(key, rsa.RSAPrivateKey)
         return key
 
@@ -438,7 +479,8 @@ class ControlPlane:
         encryption, new_key = self._ensure_encryption() if self.encrypt_secrets else (None, False)
         pki = self.pki
         self.api_port, self.etcd_port, peer_port = self._ports()
-        etcd_url = f"http://127.0.0.1:{self.etcd_port}"
+        etcd_url = self.etcd_url
+        peer_url = f"https://127.0.0.1:{peer_port}"
         self._spawn(
             "etcd",
             [
@@ -449,18 +491,36 @@ class ControlPlane:
                 etcd_url,
                 "--advertise-client-urls",
                 etcd_url,
+                "--cert-file",
+                str(pki / "etcd-server.crt"),
+                "--key-file",
+                str(pki / "etcd-server.key"),
+                "--trusted-ca-file",
+                str(pki / "etcd-ca.crt"),
+                "--client-cert-auth",
                 "--listen-peer-urls",
-                f"http://127.0.0.1:{peer_port}",
+                peer_url,
                 "--initial-advertise-peer-urls",
-                f"http://127.0.0.1:{peer_port}",
+                peer_url,
                 "--initial-cluster",
-                f"default=http://127.0.0.1:{peer_port}",
+                f"default={peer_url}",
+                "--peer-cert-file",
+                str(pki / "etcd-peer.crt"),
+                "--peer-key-file",
+                str(pki / "etcd-peer.key"),
+                "--peer-trusted-ca-file",
+                str(pki / "etcd-ca.crt"),
+                "--peer-client-cert-auth",
                 f"--unsafe-no-fsync={'false' if self.etcd_fsync else 'true'}",
                 "--log-level",
                 "warn",
             ],
         )
-        self._wait("etcd", lambda: urllib.request.urlopen(etcd_url + "/health", timeout=2))  # noqa: S310
+        tls = self.etcd_tls()
+        self._wait(
+            "etcd",
+            lambda: urllib.request.urlopen(etcd_url + "/health", timeout=2, context=tls),  # noqa: S310
+        )
         self._write_kubeconfig()
         self._spawn(
             "kube-apiserver",
@@ -468,6 +528,13 @@ class ControlPlane:
                 str(assets / "kube-apiserver"),
                 "--etcd-servers",
                 etcd_url,
+                "--etcd-cafile",
+                str(pki / "etcd-ca.crt"),
+                "--etcd-certfile",
+                str(pki / "apiserver-etcd-client.crt"),
+                "--etcd-keyfile",
+                str(pki / "apiserver-etcd-client.key"),
+                "--anonymous-auth=false",
                 "--bind-address",
                 self.bind_address,
                 "--secure-port",
