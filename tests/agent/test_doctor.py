@@ -62,9 +62,9 @@ def test_unisolated_guests_are_a_warning_wherever_the_checks_show(tmp_path: Path
     assert "nft" not in by
     checks = [Check(c["name"], c["ok"], c["detail"], c["fix"], c["required"]) for c in by.values()]
     shown = lease_value(verdict(checks))
-    assert "warning: guest network: guest network unisolated: VMs share this host" in shown
+    assert "ok; warning: guest network: unisolated: VMs share this host's network" in shown
     text = doctor(tmp_path, "--runtime", "process", "--guest-network", "unisolated").stdout
-    assert "warn  guest network: guest network unisolated" in text
+    assert "warn  guest network: unisolated: VMs share this host's network" in text
 
 
 def test_this_host_can_run_the_process_runtime(tmp_path: Path) -> None:

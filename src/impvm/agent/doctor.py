@@ -229,7 +229,8 @@ async def kvm(workdir: Path, kernel: Path | None, probe: bool) -> list[Check]:
 def unisolated() -> Check:
     """The warning of ``--guest-network unisolated``: not a failure (development runs like
     this), but shown wherever the checks are (``impvm doctor``, the agent's Lease)."""
-    return Check("guest network", False, UNISOLATED_WARNING, "--guest-network isolated", False)
+    detail = f"unisolated: {UNISOLATED_WARNING}"
+    return Check("guest network", False, detail, "--guest-network isolated", False)
 
 
 async def run_checks(

@@ -22,10 +22,10 @@ ISOLATED = "isolated"
 #: says what it removes.
 UNISOLATED = "unisolated"
 GUEST_NETWORK_MODES = (ISOLATED, UNISOLATED)
-#: what every place that shows the unisolated mode says
+#: what every place that shows the unisolated mode says (after naming it)
 UNISOLATED_WARNING = (
-    "guest network unisolated: VMs share this host's network and reach every service on it, "
-    "and each other (development only; set isolated)"
+    "VMs share this host's network and reach every service on it, and each other "
+    "(development only; set isolated)"
 )
 
 
