@@ -32,12 +32,11 @@ from lightkube import AsyncClient, Client
 from lightkube.codecs import load_all_yaml
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ApiError
-from lightkube.models.authentication_v1 import BoundObjectReference, TokenRequestSpec
+from lightkube.models.authentication_v1 import TokenRequestSpec
 from lightkube.models.coordination_v1 import LeaseSpec
-from lightkube.models.core_v1 import Container, PodSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import Event, Node, Pod, Secret, ServiceAccountToken
+from lightkube.resources.core_v1 import Event, Node, Secret, ServiceAccountToken
 from lightkube.types import PatchType
 
 from impvm.agent.agent import Agent, AgentConfig
@@ -48,7 +47,7 @@ from impvm.agent.process import ProcessRuntime
 from impvm.api.models import AGENT_FINALIZER, AGENT_LEASE_NAMESPACE, API_VERSION, JIT_SECRET_KEY
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
 from impvm.devstack.controlplane import ControlPlane
-from impvm.devstack.kube import admin_client, install_crds, node_bound_token
+from impvm.devstack.kube import admin_client, install_crds, node_bound_token, pod_bound_token
 from impvm.events import EventRecorder
 from impvm.up.service import policy_manifest, rbac_manifest
 from tests.runtime_fixtures import Images
@@ -91,22 +90,7 @@ class Guarded:
     def token_for_pod(self, node: str) -> str:
         """What the kubelet projects into the chart's agent pod on ``node``: a token bound
         to that pod (the API server adds the pod's node)."""
-        name = f"agent-{uuid.uuid4().hex[:6]}"
-        pod = self.kube.create(
-            Pod(
-                metadata=ObjectMeta(name=name, namespace=NS),
-                spec=PodSpec(
-                    nodeName=node,
-                    serviceAccountName=AGENT_SA,
-                    containers=[Container(name="agent", image="registry.example/impvm-agent")],
-                ),
-            )
-        )
-        assert pod.metadata is not None
-        ref = BoundObjectReference(apiVersion="v1", kind="Pod", name=name, uid=pod.metadata.uid)
-        return self._token(
-            TokenRequestSpec(audiences=[], expirationSeconds=3600, boundObjectRef=ref)
-        )
+        return pod_bound_token(self.kube, NS, AGENT_SA, node)
 
     def unbound_token(self) -> str:
         return self._token(TokenRequestSpec(audiences=[], expirationSeconds=3600))

@@ -20,17 +20,16 @@ from lightkube import Client
 from lightkube.codecs import from_dict
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ApiError
-from lightkube.models.authentication_v1 import BoundObjectReference, TokenRequestSpec
 from lightkube.models.authorization_v1 import ResourceAttributes, SubjectAccessReviewSpec
 from lightkube.models.coordination_v1 import LeaseSpec
-from lightkube.models.core_v1 import Container, PodSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.authorization_v1 import SubjectAccessReview
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import Namespace, Node, Pod, ServiceAccountToken
+from lightkube.resources.core_v1 import Namespace, Node, Pod
 from lightkube.resources.scheduling_v1 import PriorityClass
 
 from impvm.devstack.controlplane import ControlPlane
+from impvm.devstack.kube import pod_bound_token
 from tests.conftest import REPO
 
 from .conftest import CHART, FULL_VALUES, NAMESPACE, Helm, Kubectl, one
@@ -421,33 +420,12 @@ def test_the_charts_agent_writes_only_for_its_node(
     rendered = helm.template_text("--show-only", "templates/agent-policies.yaml", release="review")
     kubectl.run("apply", "--server-side", "-f", "-", stdin=rendered)
     sa = f"{chart_rbac}-agent"
-    pod = f"agent-{uuid.uuid4().hex[:6]}"
     node = f"node-{uuid.uuid4().hex[:6]}"
     try:
         kube.create(Node(metadata=ObjectMeta(name=node)))
-        made = kube.create(
-            Pod(
-                metadata=ObjectMeta(name=pod, namespace=NAMESPACE),
-                spec=PodSpec(
-                    nodeName=node,
-                    serviceAccountName=sa,
-                    containers=[Container(name="agent", image="registry.example/impvm-agent")],
-                ),
-            )
-        )
-        assert made.metadata is not None
-        ref = BoundObjectReference(apiVersion="v1", kind="Pod", name=pod, uid=made.metadata.uid)
-        got = kube.create(
-            ServiceAccountToken(
-                metadata=ObjectMeta(name=sa, namespace=NAMESPACE),
-                spec=TokenRequestSpec(audiences=[], expirationSeconds=3600, boundObjectRef=ref),
-            ),
-            name=sa,
-            namespace=NAMESPACE,
-        )
-        assert got.status is not None
+        token = pod_bound_token(kube, NAMESPACE, sa, node)
         kubeconfig = yaml.safe_load(kubectl.kubeconfig.read_text())
-        kubeconfig["users"] = [{"name": "agent", "user": {"token": got.status.token}}]
+        kubeconfig["users"] = [{"name": "agent", "user": {"token": token}}]
         kubeconfig["contexts"][0]["context"]["user"] = "agent"
         agent = Client(config=KubeConfig.from_dict(kubeconfig))
 
@@ -476,8 +454,9 @@ def test_the_charts_agent_writes_only_for_its_node(
         agent.apply(lease(f"impvm-agent-{node}", node), field_manager="x", force=True)
         kube.delete(Lease, f"impvm-agent-{node}", namespace=NAMESPACE)
     finally:
-        with contextlib.suppress(ApiError):
-            kube.delete(Pod, pod, namespace=NAMESPACE)
+        for pod in kube.list(Pod, namespace=NAMESPACE):
+            if pod.spec is not None and pod.spec.nodeName == node and pod.metadata is not None:
+                kube.delete(Pod, pod.metadata.name or "", namespace=NAMESPACE)
         with contextlib.suppress(ApiError):
             kube.delete(Node, node)
         kubectl.run("delete", "--wait=false", "-f", "-", stdin=rendered)

@@ -31,7 +31,8 @@ from impvm.agent.network.node import NodeNetwork
 from impvm.agent.network.policy import EgressLayer
 from impvm.agent.process import ProcessRuntime
 from impvm.agent.qemu import QemuRuntime
-from impvm.agent.runtime import Runtime, Secret, VMRequest
+from impvm.agent.runtime import Runtime, Secret
+from tests.network.probe import probe_request
 
 
 async def main(config: dict[str, Any]) -> None:
@@ -65,18 +66,11 @@ async def main(config: dict[str, Any]) -> None:
     else:
         rt = ProcessRuntime(store, network=network)
     reqs = [
-        VMRequest(
-            vm_id=f"t.{vm['name']}.0000",
-            name=vm["name"],
-            namespace="t",
-            image=vm["image"],
-            runner_layer=vm["layer"],
-            allow_unpinned_images=False,
-            vcpu=1,
-            memory_mib=256,
-            disk_gib=1,
-            workdir=work / vm["name"],
-            egress=tuple(EgressLayer.from_json(x) for x in vm["layers"]),
+        probe_request(
+            work,
+            vm["name"],
+            (vm["image"], vm["layer"]),
+            tuple(EgressLayer.from_json(x) for x in vm["layers"]),
         )
         for vm in config["vms"]
     ]

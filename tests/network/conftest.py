@@ -33,9 +33,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from impvm.agent.network.node import NodeNetwork
-from impvm.agent.network.policy import EgressLayer
 from impvm.agent.network.ruleset import NetConfig
-from impvm.agent.runtime import VMRequest
 from impvm.devstack.netns import (
     GUEST_RANGES,
     INTERNET_RANGES,
@@ -333,21 +331,3 @@ async def probe_images(
         work / "probe", registry.address, run_sh=PROBE_AGENT_SH, tag="probe-agent"
     )
     return base, layer
-
-
-def probe_request(
-    root: Path, name: str, images: tuple[str, str], layers: tuple[EgressLayer, ...] = ()
-) -> VMRequest:
-    return VMRequest(
-        vm_id=f"t.{name}.0000",
-        name=name,
-        namespace="t",
-        image=images[0],
-        runner_layer=images[1],
-        allow_unpinned_images=False,
-        vcpu=1,
-        memory_mib=256,
-        disk_gib=1,
-        workdir=root / name,
-        egress=layers,
-    )

@@ -17,8 +17,12 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import defaultdict
+from pathlib import Path
 
 from aiohttp import web
+
+from impvm.agent.network.policy import EgressLayer
+from impvm.agent.runtime import VMRequest
 
 PROBE_AGENT_SH = r"""#!/bin/sh
 set -- $ACTIONS_RUNNER_INPUT_JITCONFIG
@@ -129,3 +133,23 @@ class ProbeControl:
     async def up(self, vm: str, seconds: float = 240) -> None:
         """Wait until guest ``vm`` answers."""
         await self.run(vm, "echo", seconds=seconds)
+
+
+def probe_request(
+    root: Path, name: str, images: tuple[str, str], layers: tuple[EgressLayer, ...] = ()
+) -> VMRequest:
+    """A runtime's request for probe VM ``name`` (workdir under ``root``) from ``images``
+    (base image, probe runner layer), behind egress ``layers``."""
+    return VMRequest(
+        vm_id=f"t.{name}.0000",
+        name=name,
+        namespace="t",
+        image=images[0],
+        runner_layer=images[1],
+        allow_unpinned_images=False,
+        vcpu=1,
+        memory_mib=256,
+        disk_gib=1,
+        workdir=root / name,
+        egress=layers,
+    )

@@ -13,7 +13,8 @@ from impvm.agent.network.policy import DEFAULT_LAYER, Allow, EgressLayer, PortRa
 from impvm.agent.process import ProcessRuntime
 from impvm.agent.runtime import Secret
 
-from .conftest import World, policy_off, probe_request
+from .conftest import World, policy_off
+from .probe import probe_request
 
 
 async def test_sandbox_gets_its_own_namespace_and_the_same_egress_policy(

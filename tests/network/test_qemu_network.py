@@ -23,7 +23,8 @@ from impvm.agent.qemu import QemuRuntime
 from impvm.agent.runtime import Secret, VMRequest
 from impvm.devstack.controlplane import ControlPlane
 
-from .conftest import World, kernel_log, policy_off, probe_request
+from .conftest import World, kernel_log, policy_off
+from .probe import probe_request
 
 TCP80 = (PortRange("tcp", 80, 80),)
 

@@ -12,9 +12,10 @@ from lightkube import Client
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ApiError
 from lightkube.models.authentication_v1 import BoundObjectReference, TokenRequestSpec
+from lightkube.models.core_v1 import Container, PodSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
-from lightkube.resources.core_v1 import Node, ServiceAccount, ServiceAccountToken
+from lightkube.resources.core_v1 import Node, Pod, ServiceAccount, ServiceAccountToken
 
 from impvm.api.crd import all_crds
 
@@ -144,6 +145,47 @@ def node_bound_token(
             boundObjectRef=BoundObjectReference(
                 apiVersion="v1", kind="Node", name=node, uid=n.metadata.uid
             ),
+        ),
+    )
+    out = client.create(req, name=name, namespace=namespace)
+    if out.status is None or not out.status.token:
+        raise RuntimeError(f"TokenRequest for {namespace}/{name} returned no status")
+    return out.status.token
+
+
+def pod_bound_token(
+    client: Client,
+    namespace: str,
+    name: str,
+    node: str,
+    audience: str | None = None,
+    seconds: int = 3600,
+) -> str:
+    """A token of ServiceAccount ``namespace/name`` bound to a Pod of that ServiceAccount on
+    ``node`` (created here, named after it): what the kubelet projects into a DaemonSet pod, for
+    tests of the chart's identities. The API server adds the pod's node to the user's extras
+    (``authentication.kubernetes.io/node-name``) when the Node exists. ``audience``: None for
+    the API server's own. Raises ``ApiError``."""
+    pod = client.create(
+        Pod(
+            metadata=ObjectMeta(generateName=f"{name}-", namespace=namespace),
+            spec=PodSpec(
+                nodeName=node,
+                serviceAccountName=name,
+                containers=[Container(name="agent", image="registry.example/impvm-agent")],
+            ),
+        )
+    )
+    assert pod.metadata is not None and pod.metadata.name is not None
+    ref = BoundObjectReference(
+        apiVersion="v1", kind="Pod", name=pod.metadata.name, uid=pod.metadata.uid
+    )
+    req = ServiceAccountToken(
+        metadata=ObjectMeta(name=name, namespace=namespace),
+        spec=TokenRequestSpec(
+            audiences=[audience] if audience is not None else [],
+            expirationSeconds=seconds,
+            boundObjectRef=ref,
         ),
     )
     out = client.create(req, name=name, namespace=namespace)
