@@ -2,8 +2,9 @@
 
 The world models a chart node with network namespaces this test makes:
 
-* "node": a public-looking address (documentation ranges, outside every blocked range) on its uplink to the test "internet", with
-  kubelet (10250), sshd (22) and a NodePort (30080) listening on every node address; the
+* "node": a public-looking address (a documentation range, outside every blocked range) on its
+  uplink to the test "internet", with kubelet (10250), sshd (22) and a NodePort (30080)
+  listening on every node address; the
   cluster's service network behind it (the ``kubernetes`` Service at 10.96.0.1:443, the cluster
   DNS at 10.96.0.10 answering ``kubernetes.default.svc.cluster.local``) and another pod
   (10.244.2.7:80). It forwards and masquerades its pods' traffic, as a node does.
