@@ -144,8 +144,10 @@ async def chart_world(
     node_resolv = tmp_path_factory.mktemp("node-etc") / "resolv.conf"
     runners: list[web.AppRunner] = []
     procs: list[asyncio.subprocess.Process] = []
-    node, pod, node_addr = await asyncio.to_thread(_make, world, t, node_resolv)
+    node = NetNamespace(f"impvm-node-{t}", f"ivx{t}", "0.0.0.0/32", "0.0.0.0", [])
+    pod = NetNamespace(f"impvm-pod-{t}", f"ivy{t}", POD_CIDR, NODE_GW, [AGENT_POD])
     try:
+        node, pod, node_addr = await asyncio.to_thread(_make, world, t, node_resolv)
         for port, body in ((10250, "kubelet"), (22, "sshd"), (30080, "nodeport")):
             await _serve(runners, body, node.socket("0.0.0.0", port))
         await _serve(runners, "kubernetes", node.socket(KUBERNETES, 443))
