@@ -87,6 +87,11 @@ class LocalRegistry:
             raise RegistryError("registry is not running")
         return f"{self.host}:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The registry process's id while it runs."""
+        return self._proc.pid if self._proc is not None else None
+
     async def start(self, ready_seconds: float = 30.0) -> str:
         """Start the registry and wait (up to ``ready_seconds``) until ``GET /v2/`` answers 200.
 
