@@ -365,6 +365,20 @@ class ControlPlane:
         assert isinstance(key, rsa.RSAPrivateKey)
         return key
 
+    def serving_certificate(self, stem: str, addresses: tuple[str, ...]) -> tuple[Path, Path]:
+        """A server certificate and key (``pki/<stem>.crt``, ``.key``) from this control plane's
+        CA for ``addresses`` (IP addresses, plus ``localhost``), for servers beside the API
+        server that clients verify with the cluster's CA (the test cluster's registry). Call
+        after :meth:`start`."""
+        crt, key_path = self.pki / f"{stem}.crt", self.pki / f"{stem}.key"
+        key = _key()
+        cert = _cert(
+            _name(stem), key, _name("impvm-ca"), self._ca_key(), server=True, addresses=addresses
+        )
+        write_private(key_path, _pem_key(key))
+        write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
+        return crt, key_path
+
     def client_kubeconfig(self, path: Path, user: str, groups: list[str]) -> Path:
         """Write a kubeconfig to ``path`` that authenticates as ``user`` in ``groups`` with a
         client certificate from this control plane's CA (Kubernetes takes the user name from

@@ -110,6 +110,12 @@ class Cluster:
         return self._registry.address
 
     @property
+    def ca(self) -> Path:
+        """The cluster's CA certificate (API server, kubelets' clients, the registry)."""
+        assert self.control_plane is not None, "start() first"
+        return self.control_plane.pki / "ca.crt"
+
+    @property
     def internet(self) -> NetNamespace:
         """The stand-in internet namespace (bind servers there with ``.socket(address)``)."""
         net = self._net()
@@ -165,6 +171,16 @@ class Cluster:
             await asyncio.sleep(0.5)
         raise ClusterError(f"{what} not ready after {self.config.timeout}s {last}")
 
+    def _private_ns_dir(self) -> None:
+        """``workdir/ns``, a private mount: the nodes' mount namespaces are bound to files in
+        it (a namespace file may not sit on a shared mount)."""
+        d = self.workdir / "ns"
+        d.mkdir(exist_ok=True)
+        for args in (["mount", "--bind", str(d), str(d)], ["mount", "--make-private", str(d)]):
+            out = subprocess.run(args, capture_output=True, text=True, timeout=30)
+            if out.returncode != 0:
+                raise ClusterError(f"{' '.join(args)}: {out.stderr.strip()}")
+
     def _nodes_ready(self) -> bool:
         got = json.loads(self.kubectl("get", "nodes", "-o", "json"))
         ready = {
@@ -199,6 +215,7 @@ class Cluster:
             owner_pid=me,
             owner_start=state.process_start(me),
             cgroup=f"impvm-cluster-{token}",
+            rundir=f"/run/impvm-cluster-{token}",
         )
         rec.save()
         await asyncio.to_thread(cgroups.create, f"{rec.cgroup}/control-plane")
@@ -218,11 +235,17 @@ class Cluster:
             for_nodes=True,
             timeout=cfg.timeout,
         )
+        await asyncio.to_thread(self._private_ns_dir)
         await asyncio.to_thread(cp.start)
         for p in cp.procs.values():
             self._adopt(p.pid)
+        # HTTPS with the cluster's CA: pods reach it on a node-network address, and the agent
+        # takes plain HTTP only from loopback registries
+        crt, key = cp.serving_certificate("registry", (net.host_address,))
         reg = self._registry = LocalRegistry(
-            host=net.host_address, storage_dir=self.workdir / "registry"
+            host=net.host_address,
+            storage_dir=self.workdir / "registry",
+            tls=(crt, key, cp.pki / "ca.crt"),
         )
         await reg.start()
         self._adopt(reg.pid)
@@ -250,6 +273,8 @@ class Cluster:
                 cgroup=f"{rec.cgroup}/{addr.name}",
                 sandbox_image=pause,
                 registry=reg.address,
+                registry_ca=cp.pki / "ca.crt",
+                rundir=Path(rec.rundir) / addr.name,
             )
             self.nodes.append(node)
             await asyncio.to_thread(node.start_runtime)

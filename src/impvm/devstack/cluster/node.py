@@ -1,8 +1,13 @@
 """One node of the test cluster: Debian's containerd (its own socket, root, state, runc root and
 CNI configuration) and a kubelet and kube-proxy built from k8s.io/kubernetes, all three in the
-node's network namespace (``nsenter --net``: the mount namespace stays the host's, so the
-volumes kubelet mounts are the ones containerd binds into containers) and in the node's cgroup
-subtree, which is also the kubelet's ``cgroupRoot``'s parent.
+node's network namespace, in the node's mount namespace and in the node's cgroup subtree, which
+is also the kubelet's ``cgroupRoot``'s parent.
+
+The mount namespace (one per node, shared by its three processes, so the volumes kubelet mounts
+are the ones containerd binds into containers) is a slave of the host's: the host's mounts show
+in it, its own (kubelet's volumes, containerd's snapshots) stay in it and go with it. In it each
+of :data:`NODE_DIRS` is the node's own directory, as on a machine of its own: a pod's
+``hostPath`` there (the agent's image cache and VM scratch) is not shared with the other node.
 
 Settings a kubelet needs on this kind of machine (cgroup v1 hybrid, no systemd):
 ``cgroupDriver: cgroupfs``, ``failCgroupV1: false``, ``failSwapOn: false``; containerd's
@@ -26,6 +31,8 @@ from impvm.devstack.cluster.network import NodeAddress
 from impvm.devstack.controlplane import ControlPlane
 
 CNI_BIN = Path("/usr/lib/cni")
+#: host directories each node has of its own (bind-mounted in its mount namespace)
+NODE_DIRS = (Path("/var/lib/impvm"),)
 RUNC = Path("/usr/sbin/runc")
 CLUSTER_DNS = "10.0.0.10"
 CLUSTER_DOMAIN = "cluster.local"
@@ -37,12 +44,19 @@ class NodeError(RuntimeError):
     """A node's process did not start or exited; the message carries its log's tail."""
 
 
+def _must(args: list[str]) -> None:
+    out = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise NodeError(f"{' '.join(args)}: {out.stderr.strip()}")
+
+
 def _toml_str(value: str) -> str:
     return json.dumps(value)  # a TOML basic string is a JSON string for these paths
 
 
-def containerd_config(workdir: Path, sandbox_image: str, registry: str) -> str:
-    """containerd 1.6's configuration (version 2) for a node under ``workdir``."""
+def containerd_config(workdir: Path, rundir: Path, sandbox_image: str) -> str:
+    """containerd 1.6's configuration (version 2) for a node under ``workdir``, its sockets in
+    ``rundir``."""
     w = workdir
     q = _toml_str
     return f"""version = 2
@@ -53,10 +67,10 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
   "io.containerd.snapshotter.v1.devmapper", "io.containerd.tracing.processor.v1.otlp"]
 
 [grpc]
-  address = {q(str(w / "containerd.sock"))}
+  address = {q(str(rundir / "containerd.sock"))}
 
 [ttrpc]
-  address = {q(str(w / "containerd.sock.ttrpc"))}
+  address = {q(str(rundir / "containerd.sock.ttrpc"))}
 
 [metrics]
   address = ""
@@ -90,12 +104,13 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
 """
 
 
-def registry_hosts(registry: str) -> str:
-    """containerd's ``hosts.toml`` for the loopback registry: plain HTTP, pull and resolve."""
+def registry_hosts(registry: str, ca: Path) -> str:
+    """containerd's ``hosts.toml`` for the cluster's registry: HTTPS verified with ``ca``."""
     return (
-        f'server = "http://{registry}"\n\n'
-        f'[host."http://{registry}"]\n'
+        f'server = "https://{registry}"\n\n'
+        f'[host."https://{registry}"]\n'
         f'  capabilities = ["pull", "resolve"]\n'
+        f"  ca = {_toml_str(str(ca))}\n"
     )
 
 
@@ -138,6 +153,9 @@ class ClusterNode:
     cgroup: str
     sandbox_image: str
     registry: str
+    registry_ca: Path
+    #: where the node's sockets are (a short path)
+    rundir: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -150,18 +168,38 @@ class ClusterNode:
 
     @property
     def socket(self) -> Path:
-        return self.containerd_dir / "containerd.sock"
+        return self.rundir / "containerd.sock"
 
     @property
     def kubelet_dir(self) -> Path:
         return self.workdir / "kubelet"
 
+    @property
+    def mount_ns(self) -> Path:
+        """The file holding the node's mount namespace (under the cluster's private ``ns``)."""
+        return self.workdir.parent / "ns" / self.name
+
+    def _make_mount_ns(self) -> None:
+        """Create the node's mount namespace and bind its own :data:`NODE_DIRS` in it."""
+        self.mount_ns.touch()
+        _must(["unshare", f"--mount={self.mount_ns}", "--propagation", "slave", "true"])
+        for d in NODE_DIRS:
+            own = self.workdir / "host" / str(d).strip("/").replace("/", "-")
+            own.mkdir(parents=True, exist_ok=True)
+            d.mkdir(parents=True, exist_ok=True)  # the mount point, on the host
+            _must(
+                ["nsenter", f"--mount={self.mount_ns}", "--", "mount", "--bind", str(own), str(d)]
+            )
+
     def _write(self) -> None:
         cd = self.containerd_dir
         for d in (cd / "cni", cd / "certs.d" / self.registry, self.kubelet_dir, self.workdir):
             d.mkdir(parents=True, exist_ok=True)
-        (cd / "config.toml").write_text(containerd_config(cd, self.sandbox_image, self.registry))
-        (cd / "certs.d" / self.registry / "hosts.toml").write_text(registry_hosts(self.registry))
+        self.rundir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (cd / "config.toml").write_text(containerd_config(cd, self.rundir, self.sandbox_image))
+        (cd / "certs.d" / self.registry / "hosts.toml").write_text(
+            registry_hosts(self.registry, self.registry_ca)
+        )
         (cd / "cni" / "10-impvm.conflist").write_text(
             json.dumps(cni_config(self.address.pod_subnet, self.workdir / "cni-ipam"), indent=2)
         )
@@ -228,8 +266,8 @@ class ClusterNode:
         (self.workdir / "kube-proxy.yaml").write_text(yaml.safe_dump(proxy))
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        """Run ``args`` in the node's network namespace and its ``runtime`` cgroup (joined by a
-        shell before it execs, so nothing the process forks escapes the subtree)."""
+        """Run ``args`` in the node's network and mount namespaces and its ``runtime`` cgroup
+        (joined by a shell before it execs, so nothing the process forks escapes the subtree)."""
         log = open(self.workdir / f"{name}.log", "ab")
         join = ":".join(str(p) for p in cgroups.procs_files(f"{self.cgroup}/runtime"))
         wrapper = (
@@ -243,6 +281,7 @@ class ClusterNode:
                 "sh",
                 "nsenter",
                 f"--net=/run/netns/{self.address.netns}",
+                f"--mount={self.mount_ns}",
                 "--",
                 *args,
             ],
@@ -265,6 +304,7 @@ class ClusterNode:
         cgroups.create(f"{self.cgroup}/runtime")
         cgroups.create(f"{self.cgroup}/pods")
         self._write()
+        self._make_mount_ns()
         self._spawn(
             "containerd",
             ["containerd", "--config", str(self.containerd_dir / "config.toml")],

@@ -48,6 +48,8 @@ class ClusterRecord:
     owner_pid: int | None = None
     owner_start: int | None = None
     cgroup: str = ""
+    #: a short directory for the nodes' sockets (a unix socket path has at most 107 bytes)
+    rundir: str = ""
     netns: list[str] = field(default_factory=list)
     links: list[str] = field(default_factory=list)
 
@@ -112,6 +114,8 @@ def remove(record: ClusterRecord, keep: tuple[str, ...] = ()) -> None:
     network.delete(record.netns, record.links)
     if record.cgroup:
         cgroups.remove(record.cgroup)
+    if record.rundir:
+        shutil.rmtree(record.rundir, ignore_errors=True)
     if workdir.exists():
         for entry in workdir.iterdir():
             if entry.name in keep or entry.name == RECORD:
