@@ -203,6 +203,13 @@ class Cluster:
         :class:`ClusterError` (call :meth:`stop` to clean up)."""
         t0 = time.monotonic()
         cfg = self.config
+        # kubelet keeps unix sockets under its root directory (at most 107 bytes a path)
+        longest = self.workdir / "node-0" / "kubelet" / "pod-resources" / "123456789"
+        if len(str(longest)) > 100:
+            raise ClusterError(
+                f"the cluster directory {self.workdir} is too long a path for kubelet's sockets; "
+                "choose a shorter base (IMPVM_CLUSTER_DIR)"
+            )
         await asyncio.to_thread(state.remove_stale, cfg.base, cfg.name)
         assets = await asyncio.to_thread(find_assets)
         token = run_token()
