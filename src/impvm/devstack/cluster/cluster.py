@@ -301,13 +301,17 @@ class Cluster:
             raise ClusterError(f"control-plane processes exited: {', '.join(dead)}")
 
     async def stop(self) -> None:
-        """Stop every process and remove everything the cluster made. Idempotent."""
-        for node in self.nodes:
-            await asyncio.to_thread(node.stop)
-        self.nodes.clear()
+        """Stop every process and remove everything the cluster made. Idempotent. The nodes are
+        not drained: their processes, pods and VMs are killed with the cgroup subtree (nothing of
+        them is kept, and a graceful kubelet and containerd stop takes a minute)."""
         if self._registry is not None:
             await self._registry.stop()
             self._registry = None
+        if self.record is not None and self.record.cgroup:
+            await asyncio.to_thread(cgroups.kill, self.record.cgroup)
+        for node in self.nodes:
+            await asyncio.to_thread(node.stop)
+        self.nodes.clear()
         if self.control_plane is not None:
             await asyncio.to_thread(self.control_plane.stop)
             self.control_plane = None

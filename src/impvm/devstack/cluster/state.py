@@ -147,6 +147,6 @@ def remove_stale(base: Path = DEFAULT_BASE, name: str | None = None) -> list[str
     return removed
 
 
-#: entries of a cluster's workdir kept across runs: the registry's blobs (pushing an image
-#: again then sends only the manifests) and built small images
-CACHES = ("registry",)
+#: entries of a cluster's workdir kept across runs (none: a push to a fresh registry takes
+#: seconds, and a test session's cluster has a name of its own each time)
+CACHES: tuple[str, ...] = ()
