@@ -34,7 +34,7 @@ from tests.chart import test_readme as readme
 from tests.cluster.conftest import ClusterImages
 from tests.conftest import REPO
 
-pytestmark = [pytest.mark.cluster]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]
 
 EXAMPLE = (REPO / "tests" / "data" / "minimal-example.yaml").read_text()
 BASE_PLACEHOLDER = "registry.example/imp/runner-base@sha256:1111111111111111111111111111111111111111111111111111111111111111"
@@ -64,6 +64,17 @@ def tools(tmp_path: Path, cluster: Cluster, values: Path) -> Path:
     )
     wrapper.chmod(0o755)
     return bindir
+
+
+def no_crash_loop(cluster: Cluster) -> None:
+    """Fail at once, with its last log, when a chart pod's container keeps restarting (the
+    chart or an image is broken: waiting would only time out)."""
+    for p in items(cluster, "pods", "-n", "impvm-system"):
+        for c in p.get("status", {}).get("containerStatuses", []):
+            if c.get("restartCount", 0) >= 3:
+                name = p["metadata"]["name"]
+                log = cluster.kubectl("-n", "impvm-system", "logs", name, "--previous", check=False)
+                raise AssertionError(f"{name} restarts: {c.get('state')}\n{log[-3000:]}")
 
 
 def uninstall(env: dict[str, str]) -> None:
@@ -163,6 +174,18 @@ async def test_readme_install_runs_jobs_in_vms_on_both_nodes(
                 [(jobs[i].status, jobs[i].runner_name) for i in ids],
                 cluster.kubectl("get", "impvm,pods", "-A", "-o", "wide"),
             )
+            await asyncio.to_thread(no_crash_loop, cluster)
+            for lease in await asyncio.to_thread(
+                items,
+                cluster,
+                "lease",
+                "-n",
+                "impvm-system",
+                "-l",
+                "app.kubernetes.io/name=impvm-agent",
+            ):
+                preflight = lease["metadata"].get("annotations", {}).get("imp.dev/preflight", "")
+                assert not preflight.startswith("failed"), (lease["metadata"]["name"], preflight)
             for vm in await asyncio.to_thread(items, cluster, "impvm", "-n", "default"):
                 if node := (vm.get("spec") or {}).get("nodeName"):
                     vm_nodes[vm["metadata"]["name"]] = node
