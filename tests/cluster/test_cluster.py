@@ -247,3 +247,68 @@ def test_a_crashed_run_is_cleaned_up_by_the_next_start() -> None:
     }
     assert not (base / name).exists()
     shutil.rmtree(base, ignore_errors=True)
+
+
+def _serve(base: Path, name: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "impvm.devstack.cluster",
+            "serve",
+            "--name",
+            name,
+            "--nodes",
+            "1",
+            "--base",
+            str(base),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _ready(base: Path, name: str, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    ready = base / name / "ready.json"
+    deadline = time.monotonic() + 300
+    while not ready.exists():
+        assert proc.poll() is None, "the cluster did not start"
+        assert time.monotonic() < deadline, "the cluster did not start in time"
+        time.sleep(0.5)
+    info: dict[str, Any] = json.loads(ready.read_text())
+    return info
+
+
+def test_a_second_start_of_a_name_replaces_the_running_cluster() -> None:
+    """The first owner is stopped before its cluster is removed (else it would tear down, as it
+    exits, what was started in its place); SIGTERM stops the second and removes everything."""
+    base = Path(tempfile.mkdtemp(prefix="icl-", dir="/tmp"))
+    first = _serve(base, "again")
+    try:
+        _ready(base, "again", first)
+        (base / "again" / "ready.json").unlink()
+        second = _serve(base, "again")
+        info = _ready(base, "again", second)
+        assert first.wait(timeout=60) == 0
+        nodes = subprocess.run(
+            [info["kubectl"], "--kubeconfig", info["kubeconfig"], "get", "nodes", "-o", "json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        (node,) = json.loads(nodes.stdout)["items"]
+        assert any(
+            c["type"] == "Ready" and c["status"] == "True" for c in node["status"]["conditions"]
+        )
+        assert second.poll() is None  # the first's exit removed nothing of it
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=120) == 0
+        assert not (base / "again").exists()
+    finally:
+        for p in (first, locals().get("second")):
+            if isinstance(p, subprocess.Popen) and p.poll() is None:
+                p.kill()
+        state.remove_stale(base)
+        shutil.rmtree(base, ignore_errors=True)

@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -98,11 +97,7 @@ def down(config: ClusterConfig, timeout: float = 120.0) -> int:
     if record is None:
         print(f"no cluster {config.name!r} under {config.base}", file=sys.stderr)
         return 0
-    if record.owner_pid is not None and record.owner_alive():
-        os.kill(record.owner_pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while record.owner_alive() and time.monotonic() < deadline:
-            time.sleep(0.5)
+    state.stop_owner(record, timeout)
     state.remove(record, keep=state.CACHES)
     return 0
 

@@ -17,7 +17,9 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -141,10 +143,30 @@ def remove_stale(base: Path = DEFAULT_BASE, name: str | None = None) -> list[str
         record = ClusterRecord.load(path)
         if record is None:
             continue
+        if record.name == name and record.owner_alive():
+            stop_owner(record)
         if record.name == name or not record.owner_alive():
             remove(record, keep=CACHES)
             removed.append(record.name)
     return removed
+
+
+def stop_owner(record: ClusterRecord, timeout: float = 60.0) -> None:
+    """Ask the process that owns a cluster to stop it (SIGTERM), and SIGKILL it when it has not
+    exited within ``timeout`` seconds: a live owner would otherwise tear down, at its own exit,
+    whatever was started in its place. Not for the calling process itself."""
+    pid = record.owner_pid
+    if pid is None or pid == os.getpid() or not record.owner_alive():
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while record.owner_alive():
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.2)
 
 
 #: entries of a cluster's workdir kept across runs (none: a push to a fresh registry takes
