@@ -189,7 +189,7 @@ def _leftovers(record: state.ClusterRecord) -> dict[str, Any]:
     netns = set(os.listdir("/run/netns")) if Path("/run/netns").is_dir() else set()
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     return {
-        "processes": sorted(cgroups._pids(record.cgroup)),
+        "processes": sorted(cgroups.pids(record.cgroup)),
         "cgroups": [
             str(h / record.cgroup) for h in cgroups.hierarchies() if (h / record.cgroup).exists()
         ],
@@ -206,29 +206,8 @@ def test_a_crashed_run_is_cleaned_up_by_the_next_start() -> None:
     # a short base: the nodes' files keep paths that tools such as umoci handle
     base = Path(tempfile.mkdtemp(prefix="icl-", dir="/tmp"))
     name = "crashed"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "impvm.devstack.cluster",
-            "serve",
-            "--name",
-            name,
-            "--nodes",
-            "1",
-            "--base",
-            str(base),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    ready = base / name / "ready.json"
-    deadline = time.monotonic() + 300
-    while not ready.exists():
-        assert proc.poll() is None, "the cluster did not start"
-        assert time.monotonic() < deadline, "the cluster did not start in time"
-        time.sleep(0.5)
+    proc = _serve(base, name)
+    _ready(base, name, proc)
     record = state.ClusterRecord.load(base / name / state.RECORD)
     assert record is not None
     os.kill(proc.pid, signal.SIGKILL)

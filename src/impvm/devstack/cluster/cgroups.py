@@ -50,7 +50,8 @@ def procs_files(rel: str) -> list[Path]:
     return [h / rel / "cgroup.procs" for h in hierarchies() if (h / rel).is_dir()]
 
 
-def _pids(rel: str) -> set[int]:
+def pids(rel: str) -> set[int]:
+    """Every process in ``rel`` and its descendants, in every hierarchy."""
     pids: set[int] = set()
     for h in hierarchies():
         top = h / rel
@@ -69,7 +70,7 @@ def kill(rel: str, timeout: float = 30.0) -> None:
     """SIGKILL every process in ``rel`` and its descendants (every hierarchy) until none is left
     or ``timeout`` seconds passed; raises ``RuntimeError`` naming the survivors then."""
     deadline = time.monotonic() + timeout
-    while pids := _pids(rel):
+    while pids := pids(rel):
         if time.monotonic() > deadline:
             raise RuntimeError(f"processes left in cgroup {rel}: {sorted(pids)}")
         for pid in pids:
