@@ -52,7 +52,7 @@ def procs_files(rel: str) -> list[Path]:
 
 def pids(rel: str) -> set[int]:
     """Every process in ``rel`` and its descendants, in every hierarchy."""
-    pids: set[int] = set()
+    found: set[int] = set()
     for h in hierarchies():
         top = h / rel
         if not top.is_dir():
@@ -60,20 +60,20 @@ def pids(rel: str) -> set[int]:
         for dirpath, _dirs, files in os.walk(top):
             if "cgroup.procs" in files:
                 with contextlib.suppress(OSError):
-                    pids.update(
+                    found.update(
                         int(x) for x in (Path(dirpath) / "cgroup.procs").read_text().split()
                     )
-    return pids
+    return found
 
 
 def kill(rel: str, timeout: float = 30.0) -> None:
     """SIGKILL every process in ``rel`` and its descendants (every hierarchy) until none is left
     or ``timeout`` seconds passed; raises ``RuntimeError`` naming the survivors then."""
     deadline = time.monotonic() + timeout
-    while pids := pids(rel):
+    while left := pids(rel):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"processes left in cgroup {rel}: {sorted(pids)}")
-        for pid in pids:
+            raise RuntimeError(f"processes left in cgroup {rel}: {sorted(left)}")
+        for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.1)
