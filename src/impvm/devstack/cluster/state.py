@@ -123,7 +123,9 @@ def remove(record: ClusterRecord, keep: tuple[str, ...] = ()) -> None:
             if entry.name in keep or entry.name == RECORD:
                 continue
             if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
+                # rm(1): the nodes' image snapshots are many small files, which it removes
+                # several times faster than shutil.rmtree
+                subprocess.run(["rm", "-rf", "--one-file-system", "--", str(entry)], timeout=600)
             else:
                 with contextlib.suppress(OSError):
                     entry.unlink()
