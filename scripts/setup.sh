@@ -12,8 +12,9 @@ log() { echo "setup: $*" >&2; }
 # busybox-static (test images, guest initramfs), nftables + iproute2 + util-linux's nsenter (each
 # VM's own network and its egress policy), dnsmasq-base (the network tests' resolver in their
 # "internet" namespace), mmdebstrap (the images' Debian roots), podman + runc (run the built images
-# in the tests).
-DEB_PACKAGES=(bubblewrap skopeo umoci docker-registry busybox-static qemu-system-x86 linux-image-amd64 linux-image-cloud-amd64 e2fsprogs nftables iproute2 util-linux dnsmasq-base mmdebstrap podman runc tmux)
+# in the tests), containerd + containernetworking-plugins + gcc and libc6-dev (the test cluster's
+# nodes; its pod sandbox program is compiled static).
+DEB_PACKAGES=(bubblewrap skopeo umoci docker-registry busybox-static qemu-system-x86 linux-image-amd64 linux-image-cloud-amd64 e2fsprogs nftables iproute2 util-linux dnsmasq-base mmdebstrap podman runc tmux containerd containernetworking-plugins gcc libc6-dev)
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -54,6 +55,11 @@ fi
 log "helm and the ServiceMonitor CRD for the chart tests (built once from Go modules, cached)"
 bash scripts/build-helm.sh >/dev/null
 bash scripts/build-servicemonitor-crd.sh >/dev/null
+
+if [[ -z "${IMPVM_CLUSTER_ASSETS:-}" ]]; then
+  log "test cluster binaries: kubelet, kube-scheduler, kube-proxy, CoreDNS, pause (built once, cached)"
+  bash src/impvm/devstack/assets/build-cluster.sh >/dev/null
+fi
 
 if [[ -z "${KUBEBUILDER_ASSETS:-}" ]]; then
   log "control plane binaries (built once, cached)"

@@ -105,7 +105,7 @@ def test_run_on_your_cluster(
                     "OPERATOR_DIGEST": digest_op,
                     "AGENT_DIGEST": digest_ag,
                     "REGISTRY": "registry.example.com/impvm",
-                    "NODE": node,
+                    "NODES": node,
                     "APP_ID": "4242",
                     "INSTALLATION_ID": "777",
                     "PRIVATE_KEY": str(key),

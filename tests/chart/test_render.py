@@ -179,6 +179,16 @@ def test_full_values_render_every_option(helm: Helm) -> None:
     (a,) = ds["spec"]["template"]["spec"]["containers"]
     assert a["resources"]["limits"] == {"devices.kubevirt.io/kvm": 1}
     assert "--insecure-registry=registry.internal:5000" in a["args"]
+    # a private CA where skopeo looks for the registry's CA
+    assert {
+        "name": "registry-ca-0",
+        "mountPath": "/etc/containers/certs.d/registry.internal:5443",
+        "readOnly": True,
+    } in a["volumeMounts"]
+    assert {
+        "name": "registry-ca-0",
+        "configMap": {"name": "internal-ca", "items": [{"key": "ca.crt", "path": "ca.crt"}]},
+    } in ds["spec"]["template"]["spec"]["volumes"]
     assert "--vcpu=32" in a["args"] and "--memory-mib=65536" in a["args"]
     assert "--guest-subnet=10.99.0.0/20" in a["args"]
     assert "--guest-dns=192.0.2.53" in a["args"] and "--guest-dns=192.0.2.54" in a["args"]

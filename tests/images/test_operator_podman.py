@@ -263,6 +263,8 @@ echo "skopeo=$(skopeo --version)"
 echo "umoci=$(umoci --version)"
 echo "bwrap=$(bwrap --version)"
 echo "mkfs=$(mkfs.ext4 -V 2>&1 | head -n1)"
+echo "nft=$(nft --version)"
+echo "ip=$(ip -V)"
 echo "busybox=$(busybox | head -n1 | cut -d' ' -f1-2)"
 echo "initrd=$(ls /boot | grep -c initrd || true)"
 echo "cosign=$(cosign version 2>&1 | grep '^GitVersion' | tr -s ' ' | cut -d' ' -f2)"
@@ -309,6 +311,9 @@ async def test_agent_image_holds_the_runtime_tools_and_a_guest_kernel(
     assert out["umoci"].startswith("umoci version 0.4")
     assert out["bwrap"].startswith("bubblewrap 0.8")
     assert out["mkfs"].startswith("mke2fs 1.47")
+    # each VM's network: its nftables table and interfaces (the agent's preflight needs both)
+    assert out["nft"].startswith("nftables v1.0")
+    assert out["ip"].startswith("ip utility, iproute2-6")
     assert out["busybox"].startswith("BusyBox v1.35")
     assert out["initrd"] == "0"  # the agent builds its own guest initramfs
     assert out["cosign"] == "v2.6.5"  # templates with spec.verify work on the chart's agents

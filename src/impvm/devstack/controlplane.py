@@ -1,6 +1,14 @@
 """A real Kubernetes control plane for tests and the embedded stack: etcd + kube-apiserver (RBAC on)
 + kube-controller-manager running only the garbage collector and namespace controllers.
 
+With ``for_nodes`` it is the control plane of a cluster with real kubelets (the test cluster,
+``impvm.devstack.cluster``), configured as kubeadm configures one: authorization ``Node,RBAC``,
+the NodeRestriction and ServiceAccount admission plugins, kube-controller-manager with its
+default controllers acting through one ServiceAccount each (``--use-service-account-credentials``),
+and kube-scheduler; each component authenticates as its own user (``system:kube-scheduler``,
+``system:kube-controller-manager``), and the API server reaches kubelets with a client
+certificate of its own.
+
 Binaries are found through ``KUBEBUILDER_ASSETS`` (the envtest convention) or built once from Go
 modules by ``assets/build-control-plane.sh`` into ``~/.cache/impvm/control-plane/``. Flags follow
 controller-runtime's envtest. Certificates (CA, serving, admin client with ``system:masters``) and
@@ -52,6 +60,12 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
+
+#: ClusterIPs of Services (the first, 10.0.0.1, is the API server's Service ``kubernetes``)
+SERVICE_CIDR = "10.0.0.0/24"
+
+#: the user the API server authenticates as to kubelets (``for_nodes``)
+KUBELET_CLIENT_USER = "kube-apiserver-kubelet-client"
 
 
 class ControlPlaneError(RuntimeError):
@@ -106,6 +120,15 @@ def _pem_key(key: rsa.RSAPrivateKey) -> bytes:
     )
 
 
+#: DNS names of the API server inside a cluster (its Service ``kubernetes`` in ``default``)
+_SERVICE_NAMES = (
+    "kubernetes",
+    "kubernetes.default",
+    "kubernetes.default.svc",
+    "kubernetes.default.svc.cluster.local",
+)
+
+
 def _cert(
     subject: x509.Name,
     key: rsa.RSAPrivateKey,
@@ -116,6 +139,7 @@ def _cert(
     server: bool = False,
     client: bool = False,
     days: int = 30,
+    addresses: tuple[str, ...] = (),
 ) -> x509.Certificate:
     now = dt.datetime.now(dt.UTC)
     b = (
@@ -129,12 +153,12 @@ def _cert(
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if server:
+        ips = dict.fromkeys(("127.0.0.1", "10.0.0.1", *addresses))
         b = b.add_extension(
             x509.SubjectAlternativeName(
                 [
-                    x509.DNSName("localhost"),
-                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                    x509.IPAddress(ipaddress.ip_address("10.0.0.1")),
+                    *(x509.DNSName(n) for n in ("localhost", *_SERVICE_NAMES)),
+                    *(x509.IPAddress(ipaddress.ip_address(a)) for a in ips),
                 ]
             ),
             critical=False,
@@ -220,12 +244,17 @@ class ControlPlane:
     etcd_fsync: bool = False
     #: encrypt Secrets at rest (off only to make a data directory from before it, in tests)
     encrypt_secrets: bool = True
+    #: the address clients and kubelets reach the API server at (kubeconfigs, certificates,
+    #: the ``kubernetes`` Service's endpoint); loopback unless real nodes need another
+    address: str = "127.0.0.1"
+    #: the control plane of a cluster with real kubelets (see the module docstring)
+    for_nodes: bool = False
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _argv: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     @property
     def url(self) -> str:
-        return f"https://127.0.0.1:{self.api_port}"
+        return f"https://{self.address}:{self.api_port}"
 
     @property
     def etcd_url(self) -> str:
@@ -300,12 +329,23 @@ class ControlPlane:
             "apiserver-etcd-client": (_name("kube-apiserver-etcd-client"), {"client": True},
                                       etcd_ca_name, etcd_ca_key),
         }  # fmt: skip
+        if self.for_nodes:
+            # the API server's identity to kubelets (logs, exec), bound to
+            # system:kubelet-api-admin by the cluster
+            leaves["apiserver-kubelet-client"] = (
+                _name(KUBELET_CLIENT_USER, "kubeadm:cluster-admins"),
+                {"client": True},
+                ca_name,
+                ca_key,
+            )
         for stem, (subject, kind, issuer, issuer_key) in leaves.items():
             crt, key_path = pki / f"{stem}.crt", pki / f"{stem}.key"
             if keep and _fresh(crt, key_path):
                 continue
             key = _key()
-            cert = _cert(subject, key, issuer, issuer_key, days=leaf_days, **kind)
+            cert = _cert(
+                subject, key, issuer, issuer_key, days=leaf_days, addresses=(self.address,), **kind
+            )
             write_private(key_path, _pem_key(key))
             write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
 
@@ -367,6 +407,20 @@ class ControlPlane:
         key = serialization.load_pem_private_key((self.pki / f"{stem}.key").read_bytes(), None)
         assert isinstance(key, rsa.RSAPrivateKey)
         return key
+
+    def serving_certificate(self, stem: str, addresses: tuple[str, ...]) -> tuple[Path, Path]:
+        """A server certificate and key (``pki/<stem>.crt``, ``.key``) from this control plane's
+        CA for ``addresses`` (IP addresses, plus ``localhost``), for servers beside the API
+        server that clients verify with the cluster's CA (the test cluster's registry). Call
+        after :meth:`start`."""
+        crt, key_path = self.pki / f"{stem}.crt", self.pki / f"{stem}.key"
+        key = _key()
+        cert = _cert(
+            _name(stem), key, _name("impvm-ca"), self._ca_key(), server=True, addresses=addresses
+        )
+        write_private(key_path, _pem_key(key))
+        write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
+        return crt, key_path
 
     def client_kubeconfig(self, path: Path, user: str, groups: list[str]) -> Path:
         """Write a kubeconfig to ``path`` that authenticates as ``user`` in ``groups`` with a
@@ -547,15 +601,12 @@ class ControlPlane:
                 str(pki / "apiserver.key"),
                 "--client-ca-file",
                 str(pki / "ca.crt"),
-                "--authorization-mode",
-                "RBAC",
+                *self._apiserver_node_args(),
                 "--service-cluster-ip-range",
-                "10.0.0.0/24",
+                SERVICE_CIDR,
                 "--allow-privileged=true",
-                "--disable-admission-plugins",
-                "ServiceAccount",
                 "--service-account-issuer",
-                f"https://127.0.0.1:{self.api_port}/",
+                f"https://{self.address}:{self.api_port}/",
                 "--service-account-key-file",
                 str(pki / "sa.pub"),
                 "--service-account-signing-key-file",
@@ -572,10 +623,7 @@ class ControlPlane:
             "kube-controller-manager",
             [
                 str(assets / "kube-controller-manager"),
-                "--kubeconfig",
-                str(self.kubeconfig),
-                "--controllers",
-                "garbagecollector,namespace",
+                *self._controller_manager_args(),
                 "--leader-elect=false",
                 "--secure-port",
                 "0",
@@ -585,12 +633,88 @@ class ControlPlane:
                 "1",
             ],
         )
+        if self.for_nodes:
+            self._spawn(
+                "kube-scheduler",
+                [
+                    str(assets / "kube-scheduler"),
+                    "--kubeconfig",
+                    str(
+                        self.client_kubeconfig(
+                            self.workdir / "scheduler.kubeconfig", "system:kube-scheduler", []
+                        )
+                    ),
+                    "--leader-elect=false",
+                    "--secure-port",
+                    "0",
+                    "--v",
+                    "1",
+                ],
+            )
         # kcm needs a moment to build its GC graph; callers that depend on cascades wait for them.
         time.sleep(0.5)
         if self.procs["kube-controller-manager"].poll() is not None:
             tail = (self.workdir / "kube-controller-manager.log").read_text()[-3000:]
             raise ControlPlaneError(f"kube-controller-manager exited:\n{tail}")
         return self
+
+    def _apiserver_node_args(self) -> list[str]:
+        """Authorization and admission: envtest's (RBAC, no ServiceAccount admission) or, for
+        real nodes, kubeadm's (``Node,RBAC``, NodeRestriction, kubelet client certificate)."""
+        if not self.for_nodes:
+            return ["--authorization-mode", "RBAC", "--disable-admission-plugins", "ServiceAccount"]
+        pki = self.pki
+        return [
+            "--authorization-mode",
+            "Node,RBAC",
+            "--enable-admission-plugins",
+            "NodeRestriction",
+            "--advertise-address",
+            self.address,
+            "--kubelet-client-certificate",
+            str(pki / "apiserver-kubelet-client.crt"),
+            "--kubelet-client-key",
+            str(pki / "apiserver-kubelet-client.key"),
+            "--kubelet-preferred-address-types",
+            "InternalIP",
+        ]
+
+    def _controller_manager_args(self) -> list[str]:
+        """The garbage collector and namespace controllers as the admin, or (``for_nodes``)
+        every default controller, each with its own ServiceAccount's credentials, signing
+        ServiceAccount tokens and publishing the CA (``kube-root-ca.crt``, which every
+        projected ServiceAccount volume reads)."""
+        if not self.for_nodes:
+            return [
+                "--kubeconfig",
+                str(self.kubeconfig),
+                "--controllers",
+                "garbagecollector,namespace",
+            ]
+        pki = self.pki
+        kubeconfig = self.client_kubeconfig(
+            self.workdir / "controller-manager.kubeconfig", "system:kube-controller-manager", []
+        )
+        return [
+            "--kubeconfig",
+            str(kubeconfig),
+            "--controllers",
+            "*",
+            "--use-service-account-credentials",
+            "--service-account-private-key-file",
+            str(pki / "sa.key"),
+            "--root-ca-file",
+            str(pki / "ca.crt"),
+            "--cluster-signing-cert-file",
+            str(pki / "ca.crt"),
+            "--cluster-signing-key-file",
+            str(pki / "ca.key"),
+            "--service-cluster-ip-range",
+            SERVICE_CIDR,
+            "--allocate-node-cidrs=false",
+            "--node-monitor-grace-period",
+            "40s",
+        ]
 
     def dead(self) -> list[str]:
         """Names of the processes that exited."""

@@ -63,6 +63,8 @@ class LocalRegistry:
 
     ``storage_dir``: where blobs live; a fresh temporary directory (removed by :meth:`stop`) when
     not given. ``binary``: the registry executable (Debian: ``/usr/bin/docker-registry``).
+    ``tls``: ``(certificate, key, CA)`` files to serve HTTPS with (the test cluster's registry,
+    which pods reach on a non-loopback address); plain HTTP without.
     """
 
     def __init__(
@@ -71,8 +73,10 @@ class LocalRegistry:
         host: str = "127.0.0.1",
         storage_dir: Path | None = None,
         binary: Path = DEFAULT_BINARY,
+        tls: tuple[Path, Path, Path] | None = None,
     ) -> None:
         self.host = host
+        self.tls = tls
         self.binary = binary
         self._own_dir = storage_dir is None
         self._dir = storage_dir
@@ -86,6 +90,11 @@ class LocalRegistry:
         if self._proc is None:
             raise RegistryError("registry is not running")
         return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """The registry process's id while it runs."""
+        return self._proc.pid if self._proc is not None else None
 
     async def start(self, ready_seconds: float = 30.0) -> str:
         """Start the registry and wait (up to ``ready_seconds``) until ``GET /v2/`` answers 200.
@@ -105,7 +114,12 @@ class LocalRegistry:
         storage.mkdir(parents=True, exist_ok=True)
         self.port = _free_port(self.host)
         config = self._dir / "config.yml"
-        config.write_text(_CONFIG.format(root=storage, host=self.host, port=self.port))
+        text = _CONFIG.format(root=storage, host=self.host, port=self.port)
+        if self.tls is not None:
+            addr = f"  addr: {self.host}:{self.port}\n"
+            tls = f"  tls:\n    certificate: {self.tls[0]}\n    key: {self.tls[1]}\n"
+            text = text.replace(addr, addr + tls)
+        config.write_text(text)
         self._log = self._dir / "registry.log"
         with self._log.open("ab") as log:
             self._proc = await asyncio.create_subprocess_exec(
@@ -118,12 +132,14 @@ class LocalRegistry:
                 start_new_session=True,
             )
         deadline = time.monotonic() + ready_seconds
-        async with httpx.AsyncClient(timeout=2.0) as client:
+        scheme = "https" if self.tls else "http"
+        verify: str | bool = str(self.tls[2]) if self.tls else True
+        async with httpx.AsyncClient(timeout=2.0, verify=verify) as client:
             while True:
                 if self._proc.returncode is not None:
                     break
                 with contextlib.suppress(httpx.HTTPError):
-                    resp = await client.get(f"http://{self.host}:{self.port}/v2/")
+                    resp = await client.get(f"{scheme}://{self.host}:{self.port}/v2/")
                     if resp.status_code == 200:
                         return self.address
                 if time.monotonic() > deadline:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build etcd, kube-apiserver, kube-controller-manager and kubectl from Go modules into a cache directory,
 # once per pinned version. Prints the directory holding the binaries (envtest's KUBEBUILDER_ASSETS).
+# Arguments name more commands of k8s.io/kubernetes to build into the same directory (the test
+# cluster adds kube-scheduler, kubelet and kube-proxy: build-cluster.sh).
 #
 # k8s.io/kubernetes requires its staging modules at v0.0.0 with replace directives to ./staging,
 # which a dependent module ignores; so a throwaway module pins each staging module to the matching
@@ -13,7 +15,12 @@ ETCD_VERSION="${IMPVM_ETCD_VERSION:-v3.6.16}"
 CACHE_ROOT="${IMPVM_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/impvm}/control-plane"
 OUT="$CACHE_ROOT/k8s-${K8S_VERSION}-etcd-${ETCD_VERSION}"
 
-if [[ -x "$OUT/kube-apiserver" && -x "$OUT/etcd" && -x "$OUT/kube-controller-manager" && -x "$OUT/kubectl" ]]; then
+K8S_BINARIES=(kube-apiserver kube-controller-manager kubectl "$@")
+have_all=1
+for b in etcd "${K8S_BINARIES[@]}"; do
+  [[ -x "$OUT/$b" ]] || have_all=0
+done
+if ((have_all)); then
   echo "$OUT"
   exit 0
 fi
@@ -26,7 +33,7 @@ trap 'rm -rf "$work"' EXIT
 
 log() { echo "build-control-plane: $*" >&2; }
 
-# --- kube-apiserver + kube-controller-manager -------------------------------------------------
+# --- the k8s.io/kubernetes commands ------------------------------------------------------------
 minor="${K8S_VERSION#v1.}"   # 34.4
 staging_version="v0.${minor}"
 mkdir -p "$work/k8s"
@@ -39,21 +46,15 @@ gomod="$(go mod download -json "k8s.io/kubernetes@${K8S_VERSION}" | python3 -c '
   grep -E '^\s*k8s\.io/[A-Za-z0-9._/-]+ => \./staging/' "$gomod" | awk -v v="$staging_version" '{print "replace " $1 " => " $1 " " v}'
 } >> go.mod
 log "resolving k8s.io/kubernetes ${K8S_VERSION} (staging ${staging_version})"
-cat > tools.go <<'GO'
-//go:build tools
-
-package tools
-
-import (
-	_ "k8s.io/kubernetes/cmd/kube-apiserver"
-	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
-	_ "k8s.io/kubernetes/cmd/kubectl"
-)
-GO
+{
+  printf '//go:build tools\n\npackage tools\n\nimport (\n'
+  for b in "${K8S_BINARIES[@]}"; do printf '\t_ "k8s.io/kubernetes/cmd/%s"\n' "$b"; done
+  printf ')\n'
+} > tools.go
 go mod tidy >&2
 ldflags="-s -w -X k8s.io/component-base/version.gitVersion=${K8S_VERSION} -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=${minor%%.*}"
 # each binary is built only when missing, and moved into place only when complete
-for b in kube-apiserver kube-controller-manager kubectl; do
+for b in "${K8S_BINARIES[@]}"; do
   [[ -x "$OUT/$b" ]] && continue
   log "building $b"
   go build -trimpath -ldflags "$ldflags" -o "$OUT/$b.tmp" "k8s.io/kubernetes/cmd/$b"

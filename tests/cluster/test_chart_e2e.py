@@ -1,0 +1,244 @@
+"""The Helm chart on the real two-node cluster, installed with README.md's "Run on your cluster"
+commands: two operator replicas, an agent pod per node, the minimal example pool, and three jobs
+run by the GitHub stand-in's runner in QEMU VMs (TCG where /dev/kvm is not usable) inside the
+agent pods of both nodes.
+
+What differs from a real install, and why: GitHub is the stand-in, serving in the cluster's
+"internet" namespace behind its router (pods reach it by NAT, as they would reach GitHub), seeded
+with the App and installation ids the test gives the README's variables; the images are the ones
+``impvm images build`` makes, in the cluster's registry, whose certificate the cluster's CA signs,
+so ``helm install`` gets one more values file (the stand-in's URL, two operator replicas and that
+CA through ``agent.registryCAs``, as the README says for a private CA), added by a ``helm`` wrapper
+on PATH; ``pool.yaml`` is the minimal example (tests/data/minimal-example.yaml) with the
+``impvm`` image as the VM's base (the stand-in runner needs its Python) and the stand-in runner
+layer, both by digest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from impvm.devstack.cluster import Cluster
+from impvm.devstack.stack import make_private_key, seed_github
+from impvm.devstack.standin import StandIn
+from tests.chart import test_readme as readme
+from tests.cluster.conftest import ClusterImages
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]
+
+EXAMPLE = (REPO / "tests" / "data" / "minimal-example.yaml").read_text()
+BASE_PLACEHOLDER = "registry.example/imp/runner-base@sha256:1111111111111111111111111111111111111111111111111111111111111111"
+LAYER_PLACEHOLDER = "registry.example/imp/runner-layer@sha256:2222222222222222222222222222222222222222222222222222222222222222"
+APP_ID, INSTALLATION_ID, ORG = 4242, 777, "my-org"
+JOBS = 3
+
+
+def helm_binary() -> Path:
+    out = subprocess.run(
+        ["bash", str(REPO / "scripts" / "build-helm.sh")], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return Path(out.stdout.strip())
+
+
+def tools(tmp_path: Path, cluster: Cluster, values: Path) -> Path:
+    """A PATH directory with kubectl and a helm that adds ``values`` to ``helm install``."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "kubectl").symlink_to(cluster.kubectl_path)
+    wrapper = bindir / "helm"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = install ]; then exec {helm_binary()} "$@" --values {values}; fi\n'
+        f'exec {helm_binary()} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return bindir
+
+
+def no_crash_loop(cluster: Cluster) -> None:
+    """Fail at once, with its last log, when a chart pod's container keeps restarting (the
+    chart or an image is broken: waiting would only time out)."""
+    for p in items(cluster, "pods", "-n", "impvm-system"):
+        for c in p.get("status", {}).get("containerStatuses", []):
+            if c.get("restartCount", 0) >= 3:
+                name = p["metadata"]["name"]
+                log = cluster.kubectl("-n", "impvm-system", "logs", name, "--previous", check=False)
+                raise AssertionError(f"{name} restarts: {c.get('state')}\n{log[-3000:]}")
+
+
+def uninstall(env: dict[str, str]) -> None:
+    subprocess.run(
+        [str(helm_binary()), "uninstall", "impvm", "--namespace", "impvm-system"],
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
+
+
+def items(cluster: Cluster, *args: str) -> list[dict[str, Any]]:
+    got: list[dict[str, Any]] = json.loads(cluster.kubectl("get", *args, "-o", "json"))["items"]
+    return got
+
+
+async def test_readme_install_runs_jobs_in_vms_on_both_nodes(
+    tmp_path: Path, cluster: Cluster, cluster_images: ClusterImages
+) -> None:
+    net = cluster.network
+    assert net is not None
+    standin = StandIn(sock=cluster.internet.socket(net.internet_address, 0))
+    await standin.start()
+    key = make_private_key()
+    seed_github(standin, key, app_id=APP_ID, installation_id=INSTALLATION_ID, org=ORG)
+    (tmp_path / "app.pem").write_text(key)
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    try:
+        # the registry's CA for the agents, then the README's commands
+        cluster.kubectl("create", "namespace", "impvm-system")
+        cluster.kubectl(
+            "-n",
+            "impvm-system",
+            "create",
+            "configmap",
+            "impvm-registry-ca",
+            f"--from-file=ca.crt={cluster.ca}",
+        )
+        values = tmp_path / "cluster-values.yaml"
+        values.write_text(
+            yaml.safe_dump(
+                {
+                    "operator": {"replicas": 2, "githubApiURL": standin.url},
+                    "agent": {
+                        "registryCAs": [
+                            {"registry": cluster.registry, "configMap": "impvm-registry-ca"}
+                        ]
+                    },
+                }
+            )
+        )
+        env["PATH"] = f"{tools(tmp_path, cluster, values)}:{env['PATH']}"
+        (tmp_path / "charts").symlink_to(REPO / "charts")
+        (tmp_path / "pool.yaml").write_text(
+            EXAMPLE.replace(BASE_PLACEHOLDER, cluster_images.operator).replace(
+                LAYER_PLACEHOLDER, cluster_images.runner_layer
+            )
+        )
+        text = readme.section("Run on your cluster")
+        sh = [b for lang, b in readme.blocks(text) if lang == "sh"]
+        assert len(sh) == 3
+        registry, _, operator_digest = cluster_images.operator.partition("@")
+        script = "\n".join(
+            [
+                readme.override(
+                    sh[0],
+                    {
+                        "OPERATOR_DIGEST": operator_digest,
+                        "AGENT_DIGEST": cluster_images.agent.partition("@")[2],
+                        "REGISTRY": registry.rsplit("/", 1)[0],
+                        "NODES": '"node-1 node-2"',
+                        "APP_ID": str(APP_ID),
+                        "INSTALLATION_ID": str(INSTALLATION_ID),
+                        "PRIVATE_KEY": str(tmp_path / "app.pem"),
+                        "WEBHOOK_SECRET": "unused-by-a-polling-pool",
+                    },
+                ),
+                *sh[1:],
+            ]
+        )
+        installed = time.monotonic()
+        out = await asyncio.to_thread(readme.bash, script, tmp_path, env)
+        assert "ci-pool" in out
+        ids = [
+            standin.queue_job(
+                f"{ORG}/app", ["self-hosted", "imp"], name=f"job-{i}", sleep_seconds=2
+            ).id
+            for i in range(JOBS)
+        ]
+        jobs = standin.state.jobs
+        vm_nodes: dict[str, str] = {}
+        first_done: float | None = None
+        deadline = time.monotonic() + 1200
+        while not all(jobs[i].status == "completed" for i in ids):
+            cluster.check()
+            assert time.monotonic() < deadline, (
+                [(jobs[i].status, jobs[i].runner_name) for i in ids],
+                cluster.kubectl("get", "impvm,pods", "-A", "-o", "wide"),
+            )
+            await asyncio.to_thread(no_crash_loop, cluster)
+            for lease in await asyncio.to_thread(
+                items,
+                cluster,
+                "lease",
+                "-n",
+                "impvm-system",
+                "-l",
+                "app.kubernetes.io/name=impvm-agent",
+            ):
+                preflight = lease["metadata"].get("annotations", {}).get("imp.dev/preflight", "")
+                assert not preflight.startswith("failed"), (lease["metadata"]["name"], preflight)
+            for vm in await asyncio.to_thread(items, cluster, "impvm", "-n", "default"):
+                if node := (vm.get("spec") or {}).get("nodeName"):
+                    vm_nodes[vm["metadata"]["name"]] = node
+            if first_done is None and any(jobs[i].status == "completed" for i in ids):
+                first_done = time.monotonic() - installed
+            await asyncio.sleep(1)
+        total = time.monotonic() - installed
+        print(f"chart: install to first job done {first_done:.0f}s, to {JOBS} jobs {total:.0f}s")
+
+        assert [jobs[i].conclusion for i in ids] == ["success"] * JOBS
+        runners = [jobs[i].runner_name for i in ids]
+        assert len(set(runners)) == JOBS
+        assert {vm_nodes[r] for r in runners if r} == {"node-1", "node-2"}, vm_nodes
+        # one JIT config per VM, though two operator replicas ran
+        mints = [
+            r.get("runner_name")
+            for r in standin.state.requests
+            if r["path"].endswith("/generate-jitconfig")
+        ]
+        assert sorted(set(mints)) == sorted(mints) and set(runners) <= set(mints)
+        operators = items(
+            cluster, "pods", "-n", "impvm-system", "-l", "app.kubernetes.io/component=operator"
+        )
+        assert len(operators) == 2
+        lease = json.loads(
+            cluster.kubectl("-n", "impvm-system", "get", "lease", "impvm-operator", "-o", "json")
+        )
+        assert lease["spec"]["holderIdentity"]
+        # each node's agent ran VMs under QEMU, in its pod; no runner secret in any pod's log
+        agents = items(
+            cluster, "pods", "-n", "impvm-system", "-l", "app.kubernetes.io/component=agent"
+        )
+        assert sorted(p["spec"]["nodeName"] for p in agents) == ["node-1", "node-2"]
+        secrets = [r.session_token for r in standin.state.runners.values()]
+        for p in agents + operators:
+            log = cluster.kubectl("-n", "impvm-system", "logs", p["metadata"]["name"])
+            assert not any(s in log for s in secrets), p["metadata"]["name"]
+            if p in agents:
+                assert "runtime qemu started the VM" in log, p["metadata"]["name"]
+    finally:
+        for cmd in (
+            ["delete", "--ignore-not-found", "--wait=false", "-f", str(tmp_path / "pool.yaml")],
+            [
+                "-n",
+                "default",
+                "delete",
+                "--ignore-not-found",
+                "secret",
+                "github-runner-app",
+                "github-webhook",
+            ],
+        ):
+            cluster.kubectl(*cmd, check=False)
+        await asyncio.to_thread(uninstall, env)
+        cluster.kubectl("delete", "namespace", "impvm-system", "--wait=false", check=False)
+        await standin.stop()
