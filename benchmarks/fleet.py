@@ -79,6 +79,25 @@ def by_endpoint(log: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     return {k: dict(v) for k, v in sorted(out.items(), key=lambda kv: -sum(kv[1].values()))}
 
 
+def kube_requests_since(log: Path, offset: int) -> dict[str, int]:
+    """Kubernetes API requests the operator logged (its HTTP client logs each one, watches
+    when they start) after byte ``offset`` of its log, by method and kind of path."""
+    out: collections.Counter[str] = collections.Counter()
+    with log.open("rb") as f:
+        f.seek(offset)
+        for raw in f:
+            line = raw.decode(errors="replace")
+            if "HTTP Request:" not in line or "/api" not in line:
+                continue
+            method, _, rest = line.split("HTTP Request: ", 1)[1].partition(" ")
+            url = rest.split(" ", 1)[0]
+            parts = url.split("?", 1)[0].split("/")
+            kinds = [p for p in parts if p and p[0].isalpha() and p.endswith("s")]
+            kind = kinds[-1] if kinds else "?"
+            out[f"{method} {kind}{' (watch)' if 'watch=' in url else ''}"] += 1
+    return dict(out)
+
+
 def total_calls(eps: dict[str, dict[str, int]]) -> tuple[int, int]:
     """(all calls, of which 304) — the token endpoint included."""
     n = sum(sum(v.values()) for v in eps.values())
@@ -298,6 +317,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         log.clear()
         spy = profiler(args.profile, pid, "quiet") if args.profile else None
         rss: list[float] = []
+        kube_log = service.data_dir / "operator.log"
+        kube_mark = kube_log.stat().st_size
         c1, t1, wall1 = cpu_seconds(pid), time.monotonic(), time.time()
         while time.monotonic() - t1 < args.quiet:
             await asyncio.sleep(min(5.0, args.quiet - (time.monotonic() - t1) + 0.01))
@@ -305,6 +326,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             s.check_processes()
         window = time.monotonic() - t1
         idle_cpu = cpu_seconds(pid) - c1
+        kube_requests = kube_requests_since(kube_log, kube_mark)
         stop_profiler(spy)
         idle_eps = by_endpoint(list(log))
         polled = poll_cost(list(log), wall1, time.time())
@@ -316,6 +338,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             rss_mib=round(rss[-1], 1),
             rss_peak_mib=round(max(rss), 1),
             idle_calls_per_min=round(n_idle / window * 60, 1),
+            idle_kube_requests_per_min=round(sum(kube_requests.values()) / window * 60, 1),
+            idle_kube_requests=kube_requests,
             idle_calls_304=n_idle_304,
             idle_endpoints=idle_eps,
             idle_polls=polled,
@@ -323,7 +347,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"quiet {window:.0f}s: operator CPU {idle_cpu:.2f}s ({idle_cpu / window:.1%} of a "
             f"core), RSS {rss[-1]:.0f} MiB (peak {max(rss):.0f}), GitHub "
-            f"{n_idle / window * 60:.1f} calls/min ({n_idle_304} 304s)",
+            f"{n_idle / window * 60:.1f} calls/min ({n_idle_304} 304s), Kubernetes API "
+            f"{sum(kube_requests.values()) / window * 60:.1f} requests/min {kube_requests}",
             flush=True,
         )
         print(

@@ -1,15 +1,18 @@
-"""Run every benchmark (``webhook_to_vm``, ``qemu_boot``, ``fleet`` and ``impvm simulate``) and
-print one table: each figure with the baseline measured in the same run, their ratio and the goal.
+"""Run every benchmark (``webhook_to_vm``, ``qemu_boot``, ``pickup``, ``fleet`` and ``impvm
+simulate``) and print one table: each figure with the baseline measured in the same run, their
+ratio and the goal.
 
 Baselines: webhook→VM against creating the ImpVM and Secret directly through the API server;
-QEMU boot against the ``process`` runtime; fleet creation against direct creation of as many
-ImpVMs and Secrets, fleet RSS against an idle Python process with the operator imported; the
-simulator's adaptive warm pool against ARC's formula (p95 wait) and the fixed minIdle (idle
-runner-minutes).
+QEMU boot against the ``process`` runtime; the user's wait for a job with no idle runner
+(``cold``) against the wait with one (``warm``), per runtime and pool mode; fleet creation
+against direct creation of as many ImpVMs and Secrets, fleet RSS against an idle Python process
+with the operator imported; the simulator's adaptive warm pool against ARC's formula (p95 wait)
+and the fixed minIdle (idle runner-minutes).
 
 Each benchmark runs as its own process with a deadline (``--timeout`` seconds each); its output
-goes to ``--logs`` (default: a new temporary directory). ``--preset quick`` finishes in about ten
-minutes on a 2-core machine; ``full`` measures every row of the scaling table (about an hour).
+goes to ``--logs`` (default: a new temporary directory). ``--preset quick`` finishes in about
+half an hour on a 2-core machine; ``full`` measures every row of the scaling table and 20 jobs of
+each pickup configuration (about three hours).
 ``--only`` picks benchmarks by name.
 
     KUBEBUILDER_ASSETS=$(bash scripts/setup.sh) .venv/bin/python benchmarks/run.py --preset quick
@@ -110,6 +113,40 @@ def parse_boot(out: str, argv: list[str]) -> list[Row]:
                 f"boot before the trims {cpu.get('baseline', 0):.2f} s",
                 _ratio(cpu["qemu"], cpu.get("baseline", 0)),
                 "",
+            )
+        )
+    return rows
+
+
+#: the goals of the user's wait (webhook and hybrid pools; a polling pool's cold wait is bounded
+#: by its interval and shown beside them)
+PICKUP_GOAL = {
+    ("qemu", "cold"): "p50 <= 2 s (webhook, hybrid)",
+    ("process", "cold"): "p50 <= 1.5 s (webhook, hybrid)",
+    ("qemu", "warm"): "p50 <= 1 s",
+    ("process", "warm"): "p50 <= 1 s",
+}
+
+
+def parse_pickup(out: str, argv: list[str]) -> list[Row]:
+    """Rows of ``pickup.py``'s ``PICKUP`` lines: cold against warm of the same runtime and
+    mode (what an idle runner saves)."""
+    results = [
+        json.loads(ln[len("PICKUP ") :]) for ln in out.splitlines() if ln.startswith("PICKUP ")
+    ]
+    warm = {(r["runtime"], r["mode"], r["tree"]): r for r in results if r["demand"] == "warm"}
+    rows = []
+    for r in results:
+        w = warm.get((r["runtime"], r["mode"], r["tree"])) if r["demand"] == "cold" else None
+        rows.append(
+            Row(
+                "pickup",
+                f"queued -> in progress, {r['runtime']} {r['demand']}, {r['mode']} pool, "
+                f"n={r['n']} ({r['tree']})",
+                f"p50 {r['p50']:.2f} s, p95 {r['p95']:.2f} s",
+                f"warm p50 {w['p50']:.2f} s" if w else "",
+                _ratio(r["p50"], w["p50"]) if w else "",
+                PICKUP_GOAL.get((r["runtime"], r["demand"]), ""),
             )
         )
     return rows
@@ -256,6 +293,7 @@ def presets(name: str) -> list[Bench]:
         ]
         hook = ["--samples", "20", "--pools", "1", "20"]
         boot = ["--runs", "3", "--accelerator", "tcg"]
+        pickup = ["--jobs", "5", "--mode", "polling", "webhook", "--spread", "5"]
     else:
         fleets = [
             fl("--pools", "10", "--vms", "20", "--mode", "webhook"),
@@ -267,9 +305,11 @@ def presets(name: str) -> list[Bench]:
         ]
         hook = ["--samples", "40", "--pools", "1", "20", "100"]
         boot = ["--runs", "5", "--accelerator", "tcg"]
+        pickup = ["--jobs", "20", "--mode", "polling", "webhook", "hybrid"]
     benches = [
         Bench("webhook_to_vm", [py, str(HERE / "webhook_to_vm.py"), *hook], parse_webhook),
         Bench("qemu_boot", [py, str(HERE / "qemu_boot.py"), *boot], parse_boot),
+        Bench("pickup", [py, str(HERE / "pickup.py"), *pickup], parse_pickup),
     ]
     benches += [Bench("fleet", argv, parse_fleet) for argv in fleets]
     benches.append(Bench("simulate", [py, "-m", "impvm.cli", "simulate", "-o", "json"], parse_sim))
@@ -279,7 +319,7 @@ def presets(name: str) -> list[Bench]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=["quick", "full"], default="quick")
-    ap.add_argument("--only", nargs="*", help="webhook_to_vm, qemu_boot, fleet, simulate")
+    ap.add_argument("--only", nargs="*", help="webhook_to_vm, qemu_boot, pickup, fleet, simulate")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per benchmark")
     ap.add_argument("--logs", type=Path, default=None, help="directory for each output")
     args = ap.parse_args()

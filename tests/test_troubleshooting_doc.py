@@ -16,6 +16,7 @@ SRC = REPO / "src" / "impvm"
 PATTERNS = [
     re.compile(r'EventSpec\(\s*"([A-Za-z]+)"'),
     re.compile(r'Emit\(\s*"([A-Za-z]+)"'),
+    re.compile(r'ReapEvent\(\s*"([A-Za-z]+)"'),
     re.compile(r'conds\.set\(\s*"\w+",\s*(?:True|False),\s*"([A-Za-z]+)"'),
     re.compile(r'ready_failure = \(\s*"([A-Za-z]+)"'),
     re.compile(r'ready_failure or \(\s*"([A-Za-z]+)"'),

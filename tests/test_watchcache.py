@@ -158,6 +158,26 @@ def test_bounded() -> None:
     assert s.dropped == 0 and not s.has_room_for_dropped
 
 
+def test_one_namespace_never_pushes_another_out() -> None:
+    """Objects anyone may create in their own namespace (a Secret or ImpVM labelled for a
+    pool) fill that namespace's share only."""
+    s: Store[str] = Store(Parser(), max_objects=100, max_per_namespace=3)
+
+    def in_ns(ns: str, name: str, rv: int) -> dict[str, Any]:
+        raw = obj(name, rv)
+        raw["metadata"]["namespace"] = ns
+        return raw
+
+    s.replace([in_ns("flood", f"f{i}", 1) for i in range(10)] + [in_ns("team", "t0", 1)])
+    assert sorted(k for k in s.keys() if k[0] == "team") == [("team", "t0")]
+    assert sum(1 for k in s.keys() if k[0] == "flood") == 3 and s.dropped == 7
+    assert not s.apply("ADDED", in_ns("flood", "f99", 2))
+    assert s.apply("ADDED", in_ns("team", "t1", 2)) and s.get(("team", "t1")) == "v"
+    assert s.room_for_dropped("team") is None
+    s.apply("DELETED", in_ns("flood", "f0", 3))
+    assert s.room_for_dropped("flood") == "namespace"
+
+
 # ------------------------------------------------------------------------------ the API server
 
 

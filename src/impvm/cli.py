@@ -11,6 +11,7 @@ import typer
 
 from impvm import __version__
 from impvm.images.cli import images_app
+from impvm.scaling.settings import OperatorTunables
 from impvm.sim.cli import simulate_app
 
 app = typer.Typer(
@@ -63,6 +64,18 @@ def _finite(value: float) -> float:
     return value
 
 
+def _default(name: str) -> float:
+    """The default of an operator tunable (:class:`impvm.scaling.settings.OperatorTunables`,
+    also the defaults of ``impvm up``'s configuration)."""
+    value = OperatorTunables.model_fields[name].default
+    assert isinstance(value, float)
+    return value
+
+
+def _help(name: str) -> str:
+    return OperatorTunables.model_fields[name].description or ""
+
+
 def _require_kubeconfig(command: str) -> None:
     """Exit 2 with one line when lightkube's discovery (in-cluster ServiceAccount, then
     KUBECONFIG, then ~/.kube/config) finds no usable configuration: the components would
@@ -98,42 +111,34 @@ def operator(
         typer.Option(help="Override the GitHub REST base URL (e.g. the GitHub stand-in)."),
     ] = None,
     node_lost_grace_seconds: Annotated[
-        float, typer.Option(help="Seconds past an agent Lease's expiry before its VMs are lost.")
-    ] = 60.0,
+        float, typer.Option(min=0.0, callback=_finite, help=_help("node_lost_grace_seconds"))
+    ] = _default("node_lost_grace_seconds"),
     webhook_safety_poll_seconds: Annotated[
         float,
-        typer.Option(
-            min=5.0,
-            help="Seconds between the polls of GitHub that webhook-mode pools make in case "
-            "deliveries were lost.",
-        ),
-    ] = 300.0,
+        typer.Option(min=5.0, callback=_finite, help=_help("webhook_safety_poll_seconds")),
+    ] = _default("webhook_safety_poll_seconds"),
     poll_calls_per_hour: Annotated[
-        float,
-        typer.Option(
-            min=60.0,
-            callback=_finite,
-            help="Requests an hour the job poller of one GitHub installation may make, 304s "
-            "included (it reads the repositories of all the installation's pools).",
-        ),
-    ] = 18000.0,
+        float, typer.Option(min=60.0, callback=_finite, help=_help("poll_calls_per_hour"))
+    ] = _default("poll_calls_per_hour"),
     poll_rate_limit_share: Annotated[
         float,
-        typer.Option(
-            min=0.01,
-            max=1.0,
-            callback=_finite,
-            help="Share of an installation's rate limit (each of GitHub's hourly windows) the "
-            "job poller may spend; JIT configs and runner listings use the rest.",
-        ),
-    ] = 0.5,
+        typer.Option(min=0.01, max=1.0, callback=_finite, help=_help("poll_rate_limit_share")),
+    ] = _default("poll_rate_limit_share"),
     leader_elect: Annotated[
         bool,
         typer.Option(
-            help="Elect a leader on the Lease impvm-operator in impvm-system: only the leader "
-            "reconciles, so several replicas may run."
+            help="Elect a leader on the Lease impvm-operator in --lease-namespace: only the "
+            "leader reconciles, so several replicas may run."
         ),
     ] = True,
+    lease_namespace: Annotated[
+        str,
+        typer.Option(
+            help="Namespace of the leader Lease and of the agents' Leases: the installation's "
+            "own (the chart passes its release namespace). Agent Leases elsewhere are never "
+            "read; one Lease, one leader: never two operators on one cluster."
+        ),
+    ] = "impvm-system",
     leader_lease_seconds: Annotated[
         float,
         typer.Option(
@@ -163,16 +168,18 @@ def operator(
     KUBECONFIG or in-cluster."""
     from impvm.operator.context import OperatorSettings
     from impvm.operator.main import main as operator_main
-    from impvm.scaling.pollbudget import PollBudget
+    from impvm.scaling.settings import PassSettings
 
     settings = OperatorSettings(
-        github_api_url=github_api_url,
-        node_lost_grace_seconds=node_lost_grace_seconds,
-        webhook_safety_poll_seconds=webhook_safety_poll_seconds,
-        poll_budget=PollBudget(
-            calls_per_hour=poll_calls_per_hour, rate_limit_share=poll_rate_limit_share
+        pool=PassSettings(
+            node_lost_grace_seconds=node_lost_grace_seconds,
+            webhook_safety_poll_seconds=webhook_safety_poll_seconds,
+            poll_calls_per_hour=poll_calls_per_hour,
+            poll_rate_limit_share=poll_rate_limit_share,
         ),
+        github_api_url=github_api_url,
         leader_elect=leader_elect,
+        lease_namespace=lease_namespace,
         leader_lease_seconds=leader_lease_seconds,
         advertise_url=advertise_url,
     )

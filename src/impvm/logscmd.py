@@ -3,7 +3,7 @@
 from its ``ConsoleLogKept`` Event; for a running VM its live console in the agent's workdir
 (advertised on the agent's Lease). The file is read on this machine: ``impvm up`` runs the agent
 here; on a cluster run the command on that node (or in its agent pod) — the error says which
-node and path."""
+node and path. What is printed is the guest's text without terminal control sequences."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from lightkube.resources.core_v1 import Event
 
 from impvm.api.models import AGENT_LEASE_LABEL, AGENT_LEASE_PREFIX
 from impvm.api.resources import ImpVMResource
+from impvm.guesttext import printable
 
 #: Lease annotation with the agent's workdir (live consoles are under ``vms/<vm id>/``)
 WORKDIR_ANNOTATION = "imp.dev/workdir"
@@ -86,10 +87,12 @@ async def _agent_workdir(kube: AsyncClient, node: str) -> str | None:
 
 
 def read(loc: ConsoleLocation) -> bytes:
-    """The console's bytes, read on this machine. Raises :class:`LogsError` naming the node
-    and path when it is not here (another node, or removed)."""
+    """The console as UTF-8 text safe to print (:func:`impvm.guesttext.printable`: a guest's
+    bytes never reach the terminal's control functions), read on this machine. Raises
+    :class:`LogsError` naming the node and path when it is not here (another node, or
+    removed)."""
     try:
-        return Path(loc.path).read_bytes()
+        return printable(Path(loc.path).read_bytes()).encode()
     except FileNotFoundError:
         what = "kept console" if loc.kept else "live console"
         raise LogsError(

@@ -4,7 +4,8 @@ cluster: a pure summary (the ``-o json`` document) and its rich rendering.
 The summary holds, for a person on call: each pool's counts and conditions with reasons; VMs by
 pool, phase and node, and the VMs waiting for a node; each agent's capacity used and offered,
 accelerator, heartbeat age and preflight result; the GitHub rate limit per installation
-(credentials Secret); the newest Warning Events. A value nobody reported yet renders as ``-``,
+(the newest value any of its pools reported, one row per installation); the newest Warning
+Events. A value nobody reported yet renders as ``-``,
 never ``None``.
 """
 
@@ -20,8 +21,8 @@ from rich.table import Table
 from rich.text import Text
 
 from impvm.api.models import POOL_LABEL
+from impvm.api.times import parse_time
 from impvm.scaling.nodes import NodeLease
-from impvm.scaling.world import parse_time
 
 #: how many Warning Events the summary keeps (newest first)
 MAX_EVENTS = 10
@@ -83,6 +84,7 @@ def _agent(raw: Mapping[str, Any], now: dt.datetime) -> dict[str, Any]:
     )
     return {
         "node": lease.node,
+        "namespace": meta.get("namespace"),
         "runtime": ann.get(RUNTIME),
         "accelerator": ann.get(ACCELERATOR),
         "vcpu": lease.vcpu,
@@ -126,6 +128,33 @@ def _event(raw: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _newest(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether rate limit ``a`` was reported after ``b`` (of one installation): a later
+    window, or within one window fewer requests left (GitHub only counts down)."""
+    ka = (str(a.get("resetAt") or ""), -(a.get("remaining") or 0))
+    kb = (str(b.get("resetAt") or ""), -(b.get("remaining") or 0))
+    return ka > kb
+
+
+def _rate_limits(pools: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One row per installation (``rateLimit.installation``; pools that do not say: their
+    credentials Secret), its pools, and the newest limit any of them reported: a pool whose
+    status is not written often (a manual one) must not show an old value."""
+    limits: dict[str, dict[str, Any]] = {}
+    for p in pools:
+        rl = p["rateLimit"]
+        if rl is None or p["credentials"] is None:
+            continue
+        key = rl.get("installation") or f"{p['namespace']}/{p['credentials']}"
+        entry = limits.get(key)
+        if entry is None:
+            entry = limits[key] = {"installation": key, "pools": []}
+        if "limit" not in entry or _newest(rl, entry):
+            entry.update({k: v for k, v in rl.items() if k != "installation"})
+        entry["pools"].append(p["name"])
+    return limits
+
+
 def summarize(snap: Snapshot) -> dict[str, Any]:
     """The ``-o json`` document (JSON-serializable; see the module docstring). Pure."""
     now = snap.now
@@ -147,13 +176,7 @@ def summarize(snap: Snapshot) -> dict[str, Any]:
         if not v["node"] and not v["deleting"] and v["phase"] in (None, "Pending")
     ]
     failed = [v for v in vms if v["phase"] == "Failed"]
-    limits: dict[str, dict[str, Any]] = {}
-    for p in pools:
-        if p["rateLimit"] is None or p["credentials"] is None:
-            continue
-        key = f"{p['namespace']}/{p['credentials']}"
-        entry = limits.setdefault(key, {"installation": key, "pools": [], **p["rateLimit"]})
-        entry["pools"].append(p["name"])
+    limits = _rate_limits(pools)
     agents = sorted((_agent(le, now) for le in snap.leases), key=lambda a: a["node"])
     warnings = [e for e in snap.events if e.get("type") == "Warning"]
     warnings.sort(key=lambda e: str(_event(e)["time"] or ""), reverse=True)

@@ -8,9 +8,11 @@ How it stays correct (Kubernetes API concepts, "Efficient detection of changes")
   resourceVersion seen, so nothing is missed;
 * **410 Gone** (the version was compacted away): list again; objects deleted meanwhile leave the
   cache without a DELETED event (the new list is compared with the old cache);
-* **bounded**: the cache holds at most ``max_objects`` objects (more are counted in
-  ``Store.dropped``, logged, and picked up by a new list once a deletion makes room) and no
-  history: a deleted object is forgotten at once;
+* **bounded**: the cache holds at most ``max_objects`` objects, and at most
+  ``max_per_namespace`` of one namespace (so objects anyone may create in their own namespace
+  never push another namespace's out); more are counted in ``Store.dropped``, logged, and
+  picked up by a new list once a deletion makes room; no history: a deleted object is
+  forgotten at once;
 * **typed**: each object is parsed once, when it changes, by the ``parse`` function given (an
   object it rejects is logged by name and left out);
 * **your own writes**: :meth:`WatchCache.written` puts the object a write returned into the cache
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -85,11 +88,21 @@ class Store(Generic[T]):
     may raise to reject one); ``max_objects`` bounds the number held."""
 
     def __init__(
-        self, parse: Callable[[dict[str, Any]], T], max_objects: int, name: str = ""
+        self,
+        parse: Callable[[dict[str, Any]], T],
+        max_objects: int,
+        name: str = "",
+        max_per_namespace: int | None = None,
     ) -> None:
         self.parse = parse
         self.max_objects = max_objects
+        self.max_per_namespace = max_per_namespace
         self.name = name
+        #: objects held per namespace
+        self._per_ns: dict[str, int] = {}
+        #: what objects were left out for: the namespace's cap, or the whole store's
+        self._dropped_ns: set[str] = set()
+        self._dropped_full = False
         #: objects left out because the cache was full (since the last complete list)
         self.dropped = 0
         self._slots: dict[Key, _Slot[T]] = {}
@@ -134,27 +147,52 @@ class Store(Generic[T]):
         them, the rest counted in ``dropped``). Returns the keys that were added, changed or
         removed. Pending writes are forgotten: a list is newer than any of them."""
         fresh: dict[Key, _Slot[T]] = {}
+        per_ns: dict[str, int] = {}
         self.dropped = 0
+        self._dropped_ns, self._dropped_full = set(), False
         for raw in objects:
             key = key_of(raw)
+            whole = len(fresh) >= self.max_objects
+            if whole or self._ns_full(per_ns, key[0]):
+                self._left_out(key[0], whole)
+                continue
             old = self._slots.get(key)
             if old is not None and old.version == _version(raw):
                 fresh[key] = _Slot(old.value, old.version)
                 fresh[key].seen.append(old.version)
-                continue
-            if len(fresh) >= self.max_objects:
-                self.dropped += 1
+                per_ns[key[0]] = per_ns.get(key[0], 0) + 1
                 continue
             value = self._parse(raw)
             if value is not None:
                 fresh[key] = _Slot(value, _version(raw))
                 fresh[key].seen.append(_version(raw))
+                per_ns[key[0]] = per_ns.get(key[0], 0) + 1
         if self.dropped:
             log.warning("%s: full (%d objects); %d left out", self.name, len(fresh), self.dropped)
         changed = {k for k in fresh if self.version(k) != fresh[k].version}
         changed |= set(self._slots) - set(fresh)
         self._slots = fresh
+        self._per_ns = per_ns
         return changed
+
+    def _ns_full(self, per_ns: dict[str, int], namespace: str) -> bool:
+        cap = self.max_per_namespace
+        return cap is not None and per_ns.get(namespace, 0) >= cap
+
+    def _add(self, key: Key, slot: _Slot[T]) -> None:
+        if key not in self._slots:
+            self._per_ns[key[0]] = self._per_ns.get(key[0], 0) + 1
+        self._slots[key] = slot
+
+    def _pop(self, key: Key) -> _Slot[T] | None:
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            left = self._per_ns.get(key[0], 1) - 1
+            if left:
+                self._per_ns[key[0]] = left
+            else:
+                self._per_ns.pop(key[0], None)
+        return slot
 
     def apply(self, kind: str, raw: dict[str, Any]) -> bool:
         """Apply one watch event (``ADDED``, ``MODIFIED``, ``DELETED``). Returns whether the
@@ -162,7 +200,7 @@ class Store(Generic[T]):
         key = key_of(raw)
         if kind == "DELETED":
             self._forget(raw)
-            return self._slots.pop(key, None) is not None
+            return self._pop(key) is not None
         version = _version(raw)
         slot = self._slots.get(key)
         if slot is not None:
@@ -174,16 +212,17 @@ class Store(Generic[T]):
             return False
         if slot is not None and slot.version == version:
             return False
-        if slot is None and len(self._slots) >= self.max_objects:
-            self.dropped += 1
+        whole = len(self._slots) >= self.max_objects
+        if slot is None and (whole or self._ns_full(self._per_ns, key[0])):
+            self._left_out(key[0], whole)
             log.warning("%s: full (%d objects); %s/%s left out", self.name, len(self), *key)
             return False
         value = self._parse(raw)
         if value is None:
-            return self._slots.pop(key, None) is not None
+            return self._pop(key) is not None
         new = _Slot(value, version)
         new.seen.extend(slot.seen if slot is not None else (version,))
-        self._slots[key] = new
+        self._add(key, new)
         return True
 
     def written(self, raw: dict[str, Any]) -> None:
@@ -201,7 +240,7 @@ class Store(Generic[T]):
             new = _Slot(value, version, pending=version)
             if slot is not None:
                 new.seen.extend(slot.seen)
-            self._slots[key] = new
+            self._add(key, new)
 
     def mark(self, key: Key, change: Callable[[T], T]) -> bool:
         """Replace the object under ``key`` by ``change(object)``, keeping its resourceVersion:
@@ -225,6 +264,25 @@ class Store(Generic[T]):
         """Objects were left out and there is room now: a new list would pick them up."""
         return self.dropped > 0 and len(self._slots) < self.max_objects
 
+    def room_for_dropped(self, namespace: str) -> str | None:
+        """Whether a deletion in ``namespace`` made room for an object left out: ``"store"``
+        when the whole store was full, ``"namespace"`` when that namespace was at its cap, else
+        None."""
+        if self.dropped == 0 or len(self._slots) >= self.max_objects:
+            return None
+        if self._dropped_full:
+            return "store"
+        if namespace in self._dropped_ns and not self._ns_full(self._per_ns, namespace):
+            return "namespace"
+        return None
+
+    def _left_out(self, namespace: str, whole: bool) -> None:
+        self.dropped += 1
+        if whole:
+            self._dropped_full = True
+        else:
+            self._dropped_ns.add(namespace)
+
 
 class WatchCache(Generic[T]):
     """List + watch of ``resource`` (a lightkube resource class) in ``namespace`` (``"*"``: all
@@ -247,6 +305,7 @@ class WatchCache(Generic[T]):
         labels: dict[str, Any] | None = None,
         fields: dict[str, Any] | None = None,
         max_objects: int = 10_000,
+        max_per_namespace: int | None = None,
         on_change: Callable[[Key], None] | None = None,
         name: str = "",
         watch_timeout_seconds: int = 300,
@@ -259,7 +318,7 @@ class WatchCache(Generic[T]):
         self.labels = labels
         self.fields = fields
         self.name = name or getattr(resource, "__name__", "objects")
-        self.store: Store[T] = Store(parse, max_objects, self.name)
+        self.store: Store[T] = Store(parse, max_objects, self.name, max_per_namespace)
         self.on_change = on_change
         self.watch_timeout_seconds = watch_timeout_seconds
         self.retry_seconds = retry_seconds
@@ -268,6 +327,11 @@ class WatchCache(Generic[T]):
         self._version: str | None = None  # the last version seen: where a watch resumes
         #: complete lists done (the first, and one per 410 Gone or overflow)
         self.lists = 0
+        self._listed_at = 0.0
+        #: the least seconds between two lists made because a deletion made room in a
+        #: namespace at its cap (a tenant deleting and creating objects at its cap cannot make
+        #: the operator list everything over and over)
+        self.overflow_list_seconds = 30.0
 
     def get(self, key: Key) -> T | None:
         """The cached object under ``key``, or None."""
@@ -307,6 +371,7 @@ class WatchCache(Generic[T]):
         version = listing.resourceVersion  # set by the first chunk, even an empty one
         changed = self.store.replace(objects)
         self.lists += 1
+        self._listed_at = time.monotonic()
         self.synced.set()
         self._notify(sorted(changed))
         return version
@@ -327,8 +392,12 @@ class WatchCache(Generic[T]):
             self._version = _version(raw) or self._version
             if self.store.apply(kind, raw):
                 self._notify([key_of(raw)])
-            if kind == "DELETED" and self.store.has_room_for_dropped:
-                return None
+            room = self.store.room_for_dropped(key_of(raw)[0]) if kind == "DELETED" else None
+            if room == "store" or (
+                room == "namespace"
+                and time.monotonic() - self._listed_at >= self.overflow_list_seconds
+            ):
+                return None  # list again for what was left out
         return self._version  # pragma: no cover - lightkube's watch reconnects by itself
 
     async def run(self, resource_version: str | None = None) -> None:

@@ -61,8 +61,11 @@ class Env:
             )
         )
 
-    def create_vm(self, name: str, layer: str, node: str | None = None) -> None:
-        """A VM of the class with a JIT Secret (the runner layers here never use it)."""
+    def create_vm(
+        self, name: str, layer: str, node: str | None = None, image: str | None = None
+    ) -> None:
+        """A VM of the class with a JIT Secret (the runner layers here never use it), of the
+        test base image unless ``image`` is given."""
         self.kube.create(
             Secret(
                 metadata=ObjectMeta(name=f"{name}-jit", namespace=self.namespace),
@@ -71,7 +74,7 @@ class Env:
         )
         spec: dict[str, Any] = {
             "classRef": {"name": self.cls},
-            "image": self.images.base,
+            "image": image or self.images.base,
             "runnerLayer": layer,
             "runnerConfigSecret": f"{name}-jit",
         }

@@ -1,4 +1,4 @@
-"""The agent's pure lifecycle decision (impvm.agent.lifecycle.decide): every rung of the ladder
+"""The agent's pure lifecycle decision (impvm.agent.lifecycle.next_steps): every rung of the ladder
 row by row, an exhaustive sweep over phases x runtime states x deletion x deadline x capacity x
 binding x class x cleanup checking the rules that hold everywhere, and property tests (hypothesis)
 that drive one VM through a simulated world until it is gone."""
@@ -19,7 +19,6 @@ from impvm.agent.lifecycle import (
     CLASS_MISSING,
     IMAGE_VERIFIED,
     AddFinalizer,
-    AgentAction,
     Claim,
     Cleanup,
     Emit,
@@ -33,15 +32,15 @@ from impvm.agent.lifecycle import (
     Start,
     Stop,
     VMObservation,
-    VMRecord,
+    VMSteps,
     Why,
     console_tail,
-    decide,
-    holds_capacity,
+    next_steps,
 )
 from impvm.agent.runtime import RuntimeState, Verification
 from impvm.api.models import AGENT_FINALIZER, TERMINAL_PHASES
 from impvm.api.times import k8s_time
+from impvm.api.vm import VM
 
 NODE = "node-a"
 NOW = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
@@ -69,7 +68,7 @@ def record(
     started_at: datetime | None = None,
     conditions: list[dict[str, Any]] | None = None,
     cls: str = "small",
-) -> VMRecord:
+) -> VM:
     """An ImpVM as the API server sends it, parsed the way the agent parses it."""
     meta: dict[str, Any] = {
         "name": "vm-1",
@@ -94,11 +93,11 @@ def record(
         status["startedAt"] = k8s_time(started_at)
     if conditions:
         status["conditions"] = conditions
-    return VMRecord.from_object({"metadata": meta, "spec": spec, "status": status})
+    return VM.from_body({"metadata": meta, "spec": spec, "status": status})
 
 
 def observe(
-    vm: VMRecord | None,
+    vm: VM | None,
     runtime: str | RuntimeState = "missing",
     *,
     size: Resources | None = SIZE,
@@ -121,11 +120,11 @@ def observe(
     )
 
 
-def kinds(action: AgentAction) -> list[str]:
+def kinds(action: VMSteps) -> list[str]:
     return [type(s).__name__ for s in action.steps]
 
 
-def status_of(action: AgentAction) -> dict[str, Any]:
+def status_of(action: VMSteps) -> dict[str, Any]:
     """The status fields the action writes, merged in order."""
     out: dict[str, Any] = {}
     for s in action.steps:
@@ -134,7 +133,7 @@ def status_of(action: AgentAction) -> dict[str, Any]:
     return out
 
 
-def events_of(action: AgentAction) -> list[tuple[str, bool]]:
+def events_of(action: VMSteps) -> list[tuple[str, bool]]:
     return [(s.reason, s.warning) for s in action.steps if isinstance(s, Emit)]
 
 
@@ -452,7 +451,7 @@ def test_rung(
     forget: bool,
     recheck: float | None,
 ) -> None:
-    action = decide(obs)
+    action = next_steps(obs)
     assert action.why is why, (name, action)
     if steps is not None:
         assert kinds(action) == steps, (name, action)
@@ -464,7 +463,7 @@ def test_rung(
 
 
 def test_claim_binds_reports_and_tells() -> None:
-    action = decide(observe(record(node=None, finalizer=False)))
+    action = next_steps(observe(record(node=None, finalizer=False)))
     assert action.steps[0] == Claim(SIZE)
     assert status_of(action) == {
         "phase": "Scheduled",
@@ -481,7 +480,7 @@ def test_missing_class_is_refused_by_name_once() -> None:
         (record(node=None, finalizer=False, cls="gone-class"), "scheduled"),
         (record(phase="Scheduled", cls="gone-class"), "booted"),
     ]:
-        action = decide(observe(vm, size=None))
+        action = next_steps(observe(vm, size=None))
         assert not action.has(Claim) and not action.has(Start) and not action.has(Prepare)
         (cond,) = status_of(action)["conditions"]
         assert (cond["type"], cond["status"], cond["reason"]) == (CLASS_MISSING, "True", "NotFound")
@@ -491,7 +490,7 @@ def test_missing_class_is_refused_by_name_once() -> None:
         again = record(
             node=vm.node_name, finalizer=bool(vm.finalizers), phase=vm.phase, conditions=[cond]
         )
-        repeat = decide(observe(again, size=None))
+        repeat = next_steps(observe(again, size=None))
         assert repeat.why is Why.CLASS_MISSING and repeat.steps == ()
 
 
@@ -508,7 +507,7 @@ def test_class_found_again_clears_the_condition() -> None:
         record(node=None, finalizer=False, conditions=[missing, other]),
         record(phase="Scheduled", conditions=[missing, other]),
     ]:
-        action = decide(observe(vm))
+        action = next_steps(observe(vm))
         conds = status_of(action)["conditions"]
         assert [c["type"] for c in conds] == [CLASS_MISSING, "Zeta"]  # others kept
         assert (conds[0]["status"], conds[0]["reason"]) == ("False", "Found")
@@ -518,7 +517,7 @@ def test_class_found_again_clears_the_condition() -> None:
 
 def test_exit_reports() -> None:
     vm = record(phase="Running", started_at=NOW)
-    ok = decide(observe(vm, "exited-0"))
+    ok = next_steps(observe(vm, "exited-0"))
     assert status_of(ok) == {
         "phase": "Succeeded",
         "exitCode": 0,
@@ -527,7 +526,7 @@ def test_exit_reports() -> None:
         "timings": {"finishedAt": k8s_time(NOW)},
     }
     assert events_of(ok) == [("Succeeded", False)]
-    bad = decide(observe(vm, "exited-3"))
+    bad = next_steps(observe(vm, "exited-3"))
     assert status_of(bad) == {
         "phase": "Failed",
         "exitCode": 3,
@@ -538,7 +537,7 @@ def test_exit_reports() -> None:
         "consoleTail": "line\nboom",
     }
     assert events_of(bad) == [("Failed", True)]
-    killed = decide(observe(vm, RuntimeState("exited")))
+    killed = next_steps(observe(vm, RuntimeState("exited")))
     assert status_of(killed)["exitCode"] == -1
 
 
@@ -554,10 +553,10 @@ def test_exit_reports() -> None:
     ],
 )
 def test_a_failed_vm_keeps_its_console_and_says_where(
-    vm: VMRecord, runtime: RuntimeState | str, stopped: bool
+    vm: VM, runtime: RuntimeState | str, stopped: bool
 ) -> None:
     obs = replace(observe(vm, runtime), policy=replace(POLICY, console_dir="/var/lib/impvm/c"))
-    act = decide(obs)
+    act = next_steps(obs)
     path = f"/var/lib/impvm/c/{vm.vm_id}.log"
     steps = kinds(act)
     assert steps[-1] == "Cleanup" and steps.index("KeepConsole") < steps.index("PatchStatus")
@@ -598,32 +597,34 @@ def test_failures_name_their_reason_and_bound_their_message() -> None:
         ),
     ]
     for obs, reason in rows:
-        action = decide(obs)
+        action = next_steps(obs)
         status = status_of(action)
         assert status["phase"] == "Failed" and status["exitReason"] == reason
         assert status["finishedAt"] == k8s_time(NOW) and len(status["message"]) <= 2000
         (ev,) = [s for s in action.steps if isinstance(s, Emit)]
         assert ev.reason == reason and ev.warning and len(ev.message) <= 500
         assert action.steps[-1] == Cleanup()
-    deadline = decide(rows[0][0])
+    deadline = next_steps(rows[0][0])
     assert "expireAfter 5m passed" in status_of(deadline)["message"]
     assert deadline.steps[0] == Stop(POLICY.stop_grace_seconds)
 
 
 def test_deadline_counts_from_the_recorded_start() -> None:
     vm = record(phase="Running", started_at=NOW - timedelta(seconds=59), expire="60s")
-    assert decide(observe(vm, "running")).why is Why.RUNNING
-    assert decide(observe(vm, "running", now=NOW + timedelta(seconds=1))).why is Why.DEADLINE
+    assert next_steps(observe(vm, "running")).why is Why.RUNNING
+    assert next_steps(observe(vm, "running", now=NOW + timedelta(seconds=1))).why is Why.DEADLINE
 
 
 def test_start_timeout_boundary() -> None:
     vm = record(phase="Starting", started_at=NOW - timedelta(seconds=299))
-    assert decide(observe(vm, "starting")).why is Why.STARTING
-    assert decide(observe(vm, "starting", now=NOW + timedelta(seconds=1))).why is Why.START_TIMEOUT
+    assert next_steps(observe(vm, "starting")).why is Why.STARTING
+    assert (
+        next_steps(observe(vm, "starting", now=NOW + timedelta(seconds=1))).why is Why.START_TIMEOUT
+    )
 
 
 def test_report_started_uses_the_runtime_start_time() -> None:
-    action = decide(observe(record(phase="Scheduled"), "starting", local=PREPARED))
+    action = next_steps(observe(record(phase="Scheduled"), "starting", local=PREPARED))
     started = RUNTIME["starting"].started_at
     assert started is not None
     assert status_of(action) == {"phase": "Starting", "startedAt": k8s_time(started)}
@@ -631,10 +632,10 @@ def test_report_started_uses_the_runtime_start_time() -> None:
 
 
 def test_capacity_is_held_until_release() -> None:
-    assert holds_capacity(record(), NODE)
-    assert not holds_capacity(record(finalizer=False), NODE)
-    assert not holds_capacity(record(node="node-b"), NODE)
-    assert not holds_capacity(record(node=None, finalizer=False), NODE)
+    assert record().holds_capacity(NODE)
+    assert not record(finalizer=False).holds_capacity(NODE)
+    assert not record(node="node-b").holds_capacity(NODE)
+    assert not record(node=None, finalizer=False).holds_capacity(NODE)
 
 
 # ------------------------------------------------------------------------------ every combination
@@ -693,14 +694,14 @@ def test_every_combination_keeps_the_rules() -> None:
     assert len(EVERY) == 17_280
     seen: set[Why] = set()
     for obs in EVERY:
-        action = decide(obs)
+        action = next_steps(obs)
         seen.add(action.why)
         _check_rules(obs, action)
     # every rung is reached by some combination (JIT waits need a missing Secret; see above)
     assert seen >= set(Why) - {Why.WAIT_JIT, Why.START_FAILED, Why.GONE, Why.PREFLIGHT_FAILED}
 
 
-def _check_rules(obs: VMObservation, action: AgentAction) -> None:
+def _check_rules(obs: VMObservation, action: VMSteps) -> None:
     vm, rt = obs.vm, obs.runtime
     assert vm is not None
     steps = action.steps
@@ -791,7 +792,7 @@ observations = st.builds(
 @given(observations)
 @settings(max_examples=1000, deadline=None)
 def test_rules_hold_for_any_observation(obs: VMObservation) -> None:
-    action = decide(obs)
+    action = next_steps(obs)
     _check_rules(obs, action)
     if not obs.preflight.ok:
         assert not action.has(Claim)
@@ -800,7 +801,7 @@ def test_rules_hold_for_any_observation(obs: VMObservation) -> None:
 @given(observations)
 @settings(max_examples=500, deadline=None)
 def test_decide_is_a_function_of_the_observation(obs: VMObservation) -> None:
-    assert decide(obs) == decide(obs)
+    assert next_steps(obs) == next_steps(obs)
 
 
 # A simulated world for one VM: the API server's view of it, the runtime, the JIT Secret, the
@@ -825,7 +826,7 @@ class World:
     exit_code: int = 0
     releases_while_active: int = 0
 
-    def record(self) -> VMRecord | None:
+    def record(self) -> VM | None:
         if self.gone:
             return None
         return record(
@@ -847,7 +848,7 @@ class World:
             now=self.now,
         )
 
-    def apply(self, action: AgentAction) -> None:
+    def apply(self, action: VMSteps) -> None:
         for step in action.steps:
             if isinstance(step, Claim):
                 self.node, self.finalizers = NODE, (*self.finalizers, AGENT_FINALIZER)
@@ -942,7 +943,7 @@ def test_a_vm_always_ends_released_and_cleaned(
             w.facts, w.runtime = LocalFacts(), RuntimeState("missing")
         if w.gone:
             break
-        action = decide(w.observation())
+        action = next_steps(w.observation())
         w.apply(action)
         phases.append(w.phase)
         if action.recheck_seconds != 0:
@@ -959,7 +960,7 @@ def test_a_vm_always_ends_released_and_cleaned(
         assert all(p in TERMINAL_PHASES for p in phases[first:]), phases
 
 
-def _status_of(action: AgentAction) -> dict[str, Any]:
+def _status_of(action: VMSteps) -> dict[str, Any]:
     """The status fields of all the action's PatchStatus steps, merged in order."""
     out: dict[str, Any] = {}
     for step in action.steps:
@@ -971,13 +972,13 @@ def _status_of(action: AgentAction) -> dict[str, Any]:
 def test_a_signature_check_is_reported_in_the_image_verified_condition() -> None:
     ok = Verification(True, "Verified", "image reg/base@sha256:0 signed by key sha256:f")
     local = LocalFacts(prepared=True, verification=ok)
-    action = decide(observe(record(phase="Scheduled"), local=local))
+    action = next_steps(observe(record(phase="Scheduled"), local=local))
     assert action.why is Why.START and isinstance(action.steps[-1], Start)
     (cond,) = _status_of(action)["conditions"]
     assert (cond["type"], cond["status"], cond["reason"]) == (IMAGE_VERIFIED, "True", "Verified")
     assert cond["message"] == ok.message and cond["lastTransitionTime"] == k8s_time(NOW)
     # once the VM shows it, it is not written again
-    shown = decide(observe(record(phase="Scheduled", conditions=[cond]), local=local))
+    shown = next_steps(observe(record(phase="Scheduled", conditions=[cond]), local=local))
     assert "conditions" not in _status_of(shown)
     # next to a ClassMissing condition cleared in the same write, both are kept
     missing = {
@@ -987,7 +988,9 @@ def test_a_signature_check_is_reported_in_the_image_verified_condition() -> None
         "message": "m",
         "lastTransitionTime": k8s_time(NOW - timedelta(hours=1)),
     }
-    both = _status_of(decide(observe(record(phase="Scheduled", conditions=[missing]), local=local)))
+    both = _status_of(
+        next_steps(observe(record(phase="Scheduled", conditions=[missing]), local=local))
+    )
     types = {c["type"]: c["status"] for c in both["conditions"]}
     assert types == {CLASS_MISSING: "False", IMAGE_VERIFIED: "True"}
 
@@ -996,7 +999,7 @@ def test_a_refused_signature_fails_the_vm_with_its_reason_and_condition() -> Non
     msg = "image reg/base@sha256:0 has no signature; required key sha256:f"
     refused = Verification(False, "ImageUnsigned", msg)
     local = LocalFacts(failure=("ImageUnsigned", msg), verification=refused)
-    action = decide(observe(record(phase="Scheduled"), local=local))
+    action = next_steps(observe(record(phase="Scheduled"), local=local))
     assert action.why is Why.START_FAILED
     assert not any(isinstance(s, Start | Stop) for s in action.steps)
     status = _status_of(action)
@@ -1015,18 +1018,22 @@ def test_after_an_agent_restart_a_vm_the_runtime_reattached_carries_on() -> None
     exited while no agent ran is reported with its exit code; only an unknown one is Lost."""
     fresh = LocalFacts()
     started = NOW - timedelta(minutes=5)
-    running = decide(observe(record(phase="Running", started_at=started), "running", local=fresh))
+    running = next_steps(
+        observe(record(phase="Running", started_at=started), "running", local=fresh)
+    )
     assert (running.why, running.steps) == (Why.RUNNING, ())
-    late = decide(observe(record(phase="Starting", started_at=started), "running", local=fresh))
+    late = next_steps(observe(record(phase="Starting", started_at=started), "running", local=fresh))
     assert late.why is Why.REPORT_RUNNING and not any(isinstance(s, Start) for s in late.steps)
     # started, the report of it not yet written when the old agent died
-    unreported = decide(observe(record(phase="Scheduled"), "running", local=fresh))
+    unreported = next_steps(observe(record(phase="Scheduled"), "running", local=fresh))
     assert unreported.why is Why.REPORT_STARTED
     assert not any(isinstance(s, Start | Prepare) for s in unreported.steps)
     for runtime, phase, code in (("exited-0", "Succeeded", 0), ("exited-3", "Failed", 3)):
-        ended = decide(observe(record(phase="Running", started_at=started), runtime, local=fresh))
+        ended = next_steps(
+            observe(record(phase="Running", started_at=started), runtime, local=fresh)
+        )
         status = _status_of(ended)
         assert (ended.why, status["phase"], status["exitCode"]) == (Why.EXITED, phase, code)
         assert isinstance(ended.steps[-1], Cleanup)
-    lost = decide(observe(record(phase="Running", started_at=started), "missing", local=fresh))
+    lost = next_steps(observe(record(phase="Running", started_at=started), "missing", local=fresh))
     assert lost.why is Why.LOST and _status_of(lost)["exitReason"] == "Lost"

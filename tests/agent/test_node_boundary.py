@@ -1,5 +1,5 @@
 """An agent holds its own node and nothing more, on a real API server with the shipped RBAC
-(deploy/rbac) and admission policies (deploy/policies, the copies ``impvm up`` applies).
+(deploy/rbac) and admission policies (deploy/admission, the copies ``impvm up`` applies).
 
 The identities are the ones the install paths use: a ServiceAccount token bound to a Node
 object (``impvm up``, the development stack) and one bound to a Pod on a node (the chart's

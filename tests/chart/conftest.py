@@ -21,6 +21,7 @@ from tests.conftest import REPO
 
 CHART = REPO / "charts" / "impvm"
 FULL_VALUES = Path(__file__).parent / "full-values.yaml"
+NODE_POOLS = Path(__file__).parent / "node-pools-values.yaml"
 NAMESPACE = "impvm-system"
 
 

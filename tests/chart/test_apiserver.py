@@ -32,7 +32,7 @@ from impvm.devstack.controlplane import ControlPlane
 from impvm.devstack.kube import pod_bound_token
 from tests.conftest import REPO
 
-from .conftest import CHART, FULL_VALUES, NAMESPACE, Helm, Kubectl, one
+from .conftest import CHART, FULL_VALUES, NAMESPACE, NODE_POOLS, Helm, Kubectl, one
 
 pytestmark = [pytest.mark.controlplane]
 
@@ -87,6 +87,9 @@ def _dry_run(kubectl: Kubectl, rendered: str) -> str:
         "--server-side",
         "--dry-run=server",
         "--field-manager=helm",
+        # objects of the same name another test's stack applied (the shared control plane)
+        # are not the chart's problem: a dry run only asks whether the server accepts them
+        "--force-conflicts",
         "-f",
         "-",
         stdin=rendered,
@@ -126,6 +129,25 @@ def test_full_values_accepted_by_server_side_dry_run(
         "servicemonitor.monitoring.coreos.com/impvm-full-operator",
     ):
         assert f"{obj} serverside-applied (server dry run)" in out, out
+
+
+def test_node_pools_in_another_namespace_accepted_by_server_side_dry_run(
+    helm: Helm, kubectl: Kubectl
+) -> None:
+    """A release in "default" with two VM node pools: the API server accepts both agent
+    DaemonSets (their tolerations, sizes and selectors) and the release's RBAC there."""
+    rendered = helm.run(
+        "template", "impvm", str(CHART), "-n", "default", "--values", str(NODE_POOLS)
+    ).stdout
+    out = _dry_run(kubectl, rendered)
+    for obj in (
+        "deployment.apps/impvm-operator",
+        "daemonset.apps/impvm-agent-small",
+        "daemonset.apps/impvm-agent-large",
+        "role.rbac.authorization.k8s.io/impvm-agent-leases",
+    ):
+        assert f"{obj} serverside-applied (server dry run)" in out, out
+    assert "daemonset.apps/impvm-agent " not in out
 
 
 def test_servicemonitor_checked_by_its_schema(
@@ -251,6 +273,7 @@ OPERATOR: dict[tuple[str, str], set[str]] = {
     ("imp.dev", "impvms"): {"get", "list", "watch", "create", "patch", "delete"},
     ("imp.dev", "impvms/status"): {"get", "patch"},
     ("", "secrets"): {"get", "list", "watch", "create"},
+    ("", "namespaces"): {"get", "list", "watch"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
     ("coordination.k8s.io", "leases"): {"get", "list", "watch"},

@@ -13,7 +13,7 @@ import yaml
 from impvm.api.crd import render_yaml
 from tests.conftest import REPO
 
-from .conftest import CHART, FULL_VALUES, Helm, by_kind, one
+from .conftest import CHART, FULL_VALUES, NODE_POOLS, Helm, by_kind, one
 
 DIGEST_OP = "sha256:" + "a" * 64
 DIGEST_AG = "sha256:" + "b" * 64
@@ -49,10 +49,42 @@ def test_schema_rejects_bad_values_naming_the_field(
     assert message in proc.stderr, proc.stderr
 
 
-def test_other_namespace_is_refused_with_the_reason(helm: Helm) -> None:
-    proc = helm.run("template", "impvm", str(CHART), "-n", "ci", check=False)
-    assert proc.returncode != 0
-    assert "install impvm into the namespace impvm-system" in proc.stderr, proc.stderr
+NAMESPACED = {"Deployment", "DaemonSet", "ServiceAccount", "Service", "Role", "RoleBinding"}
+
+
+@pytest.mark.parametrize("namespace", ["ci", None])
+def test_any_namespace_holds_the_whole_release(helm: Helm, namespace: str | None) -> None:
+    """Installed into another namespace (or rendered without a namespace flag: helm's
+    "default"), every namespaced object, the leader Lease the operator elects on, the agents'
+    Lease namespace, the JIT hand-out's callers, the RBAC subjects and the agents' admission
+    policies all follow the release namespace; nothing names impvm-system."""
+    flag = ["--namespace", namespace] if namespace else []
+    ns = namespace or "default"
+    out = helm.run("template", "impvm", str(CHART), *flag).stdout
+    assert "impvm-system" not in out
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    for d in docs:
+        if d["kind"] in NAMESPACED:
+            assert d["metadata"]["namespace"] == ns, (d["kind"], d["metadata"]["name"])
+    (op,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert f"--lease-namespace={ns}" in op["args"]
+    assert f"--agent-service-account={ns}/impvm-agent" in op["args"]
+    (ag,) = one(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    assert f"--lease-namespace={ns}" in ag["args"]
+    assert f"--operator-url=http://impvm-operator.{ns}.svc:8080" in ag["args"]
+    for kind in ("ClusterRoleBinding", "RoleBinding"):
+        for b in by_kind(docs, kind):
+            for subject in b["subjects"]:
+                assert subject["namespace"] == ns, b["metadata"]["name"]
+    user = f"request.userInfo.username == 'system:serviceaccount:{ns}:impvm-agent'"
+    policies = [
+        d
+        for d in by_kind(docs, "ValidatingAdmissionPolicy")
+        if d["metadata"]["name"].startswith("impvm-agent-")
+    ]
+    assert policies and all(
+        [c["expression"] for c in d["spec"]["matchConditions"]] == [user] for d in policies
+    )
 
 
 def _images(docs: list[dict[str, Any]]) -> dict[str, str]:
@@ -127,6 +159,8 @@ def test_agent_daemonset(helm: Helm) -> None:
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"]["drop"] == ["ALL"]
     assert "SYS_ADMIN" not in sc["capabilities"]["add"]
+    # what setpriv needs to start each VM's QEMU as a uid of its own
+    assert {"SETUID", "SETGID", "SETPCAP"} <= set(sc["capabilities"]["add"])
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     vols = {v["name"]: v for v in pod["volumes"]}
     assert mounts["dev-kvm"] == "/dev/kvm" and mounts["dev-net-tun"] == "/dev/net/tun"
@@ -163,6 +197,65 @@ def test_agent_daemonset(helm: Helm) -> None:
     assert "dev-kvm" not in {v["name"] for v in pod["volumes"]}
     assert "/dev/kvm" not in {m["mountPath"] for m in c["volumeMounts"]}
     assert c["resources"]["limits"] == {"squat.ai/kvm": 1}
+
+
+def test_node_pools_render_one_agent_daemonset_each_under_one_operator(helm: Helm) -> None:
+    """agent.nodePools: one DaemonSet per pool with its own nodeSelector, tolerations and size,
+    selectors that never overlap, one ServiceAccount and one operator for all of them."""
+    docs = helm.template("--values", str(NODE_POOLS), namespace="ci")
+    assert [d["metadata"]["name"] for d in by_kind(docs, "Deployment")] == ["impvm-operator"]
+    small, large = (one(docs, "DaemonSet", f"impvm-agent-{p}") for p in ("small", "large"))
+    assert len(by_kind(docs, "DaemonSet")) == 2
+    for ds, pool in ((small, "small"), (large, "large")):
+        labels = ds["spec"]["selector"]["matchLabels"]
+        assert labels["imp.dev/node-pool"] == pool
+        assert ds["spec"]["template"]["metadata"]["labels"]["imp.dev/node-pool"] == pool
+        pod = ds["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"imp.dev/host-size": pool}  # replaced, not merged
+        assert pod["serviceAccountName"] == "impvm-agent"
+        (c,) = pod["containers"]
+        assert "--lease-namespace=ci" in c["args"]
+    s_pod, l_pod = (ds["spec"]["template"]["spec"] for ds in (small, large))
+    assert "tolerations" not in s_pod
+    assert l_pod["tolerations"] == [
+        {"key": "imp.dev/vm-host", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    (s_c,), (l_c,) = s_pod["containers"], l_pod["containers"]
+    assert s_c["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"}}
+    assert l_c["resources"] == {"requests": {"cpu": "500m", "memory": "512Mi"}}
+    assert "--vcpu=32" in l_c["args"] and "--memory-mib=131072" in l_c["args"]
+    assert not [a for a in s_c["args"] if a.startswith(("--vcpu", "--memory-mib"))]
+
+
+@pytest.mark.parametrize(
+    ("pools", "message"),
+    [
+        ([{"nodeSelector": {"a": "b"}}], "agent/nodePools/0"),
+        ([{"name": "small"}], "agent/nodePools/0"),
+        ([{"name": "Small", "nodeSelector": {"a": "b"}}], "agent/nodePools/0/name"),
+        ([{"name": "x", "nodeSelector": {}}], "agent/nodePools/0/nodeSelector"),
+        ([{"name": "x", "nodeSelector": {"a": "b"}, "vcpus": 2}], "'vcpus' not allowed"),
+        ([{"name": "x", "nodeSelector": {"a": "b"}, "vcpu": 0}], "agent/nodePools/0/vcpu"),
+    ],
+)
+def test_a_values_file_the_schema_rejects_names_the_field(
+    helm: Helm, tmp_path: Path, pools: list[dict[str, Any]], message: str
+) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"agent": {"nodePools": pools}}))
+    proc = helm.run("template", "impvm", str(CHART), "--values", str(values), check=False)
+    assert proc.returncode != 0
+    assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    assert message in proc.stderr, proc.stderr
+
+
+def test_a_node_pool_named_twice_is_refused(helm: Helm, tmp_path: Path) -> None:
+    values = tmp_path / "values.yaml"
+    pool = {"name": "small", "nodeSelector": {"a": "b"}}
+    values.write_text(yaml.safe_dump({"agent": {"nodePools": [pool, pool]}}))
+    proc = helm.run("template", "impvm", str(CHART), "--values", str(values), check=False)
+    assert proc.returncode != 0
+    assert 'agent.nodePools: the name "small" is given twice' in proc.stderr, proc.stderr
 
 
 def test_full_values_render_every_option(helm: Helm) -> None:
@@ -228,18 +321,22 @@ def test_chart_carries_deploy_manifests_verbatim() -> None:
         assert (CHART / "files" / "rbac" / f"{component}.yaml").read_text() == source, hint
         package = REPO / "src" / "impvm" / "up" / "assets" / "rbac" / f"{component}.yaml"
         assert package.read_text() == source, hint
-    policies = (REPO / "deploy" / "policies" / "agent.yaml").read_text()
-    assert (CHART / "files" / "policies" / "agent.yaml").read_text() == policies, hint
-    package = REPO / "src" / "impvm" / "up" / "assets" / "policies" / "agent.yaml"
-    assert package.read_text() == policies, hint
+    tenant = (REPO / "deploy" / "rbac" / "tenant.yaml").read_text()
+    assert (CHART / "files" / "rbac" / "tenant.yaml").read_text() == tenant, hint
+    policies = sorted((REPO / "deploy" / "admission").glob("*.yaml"))
+    assert policies
+    for copies in (CHART / "files" / "admission", REPO / "src/impvm/up/assets/admission"):
+        assert sorted(p.name for p in copies.glob("*.yaml")) == [p.name for p in policies], hint
+        for p in policies:
+            assert (copies / p.name).read_text() == p.read_text(), hint
 
 
 def test_rendered_agent_policies_are_deploy_policies_for_the_release(helm: Helm) -> None:
-    """The chart's admission policies are deploy/policies/agent.yaml's, with only the release's
+    """The chart's admission policies are deploy/admission/agent.yaml's, with only the release's
     agent user name and object names put in: same rules, same messages."""
     source = [
         d
-        for d in yaml.safe_load_all((REPO / "deploy" / "policies" / "agent.yaml").read_text())
+        for d in yaml.safe_load_all((REPO / "deploy" / "admission" / "agent.yaml").read_text())
         if d
     ]
     for release, prefix in (("impvm", "impvm"), ("review", "review-impvm")):
@@ -259,6 +356,34 @@ def test_rendered_agent_policies_are_deploy_policies_for_the_release(helm: Helm)
             assert cond["expression"] == f"request.userInfo.username == '{user}'"
             rest = {k: v for k, v in got["spec"].items() if k != "matchConditions"}
             assert rest == {k: v for k, v in want["spec"].items() if k != "matchConditions"}
+
+
+def test_the_chart_renders_the_admission_policies_of_deploy(helm: Helm) -> None:
+    """What the API server enforces is deploy/admission's policies, verbatim, unless the
+    admissionPolicies value turns them off."""
+    want = [
+        d
+        for p in sorted((REPO / "deploy" / "admission").glob("*.yaml"))
+        if p.name != "agent.yaml"  # rendered for the release (the test above)
+        for d in yaml.safe_load_all(p.read_text())
+    ]
+    docs = helm.template()
+    kinds = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+    agent = "impvm-agent-"  # the agent's policies, never turned off
+    ours = [d for d in docs if d["kind"] in kinds and not d["metadata"]["name"].startswith(agent)]
+    assert ours == want
+    off = helm.template("--set", "admissionPolicies.enabled=false")
+    kept = [d for d in off if d["kind"] in kinds]
+    assert kept and all(d["metadata"]["name"].startswith(agent) for d in kept)
+
+
+def test_the_chart_renders_the_tenant_roles_of_deploy(helm: Helm) -> None:
+    want = list(yaml.safe_load_all((REPO / "deploy" / "rbac" / "tenant.yaml").read_text()))
+    names = {d["metadata"]["name"] for d in want}
+    got = [d for d in helm.template() if d["metadata"].get("name") in names]
+    assert got == want
+    off = helm.template("--set", "tenantRoles.enabled=false")
+    assert not [d for d in off if d["metadata"].get("name") in names]
 
 
 def test_rendered_rbac_rules_are_deploy_rbac_rules(helm: Helm) -> None:

@@ -66,15 +66,27 @@ def tools(tmp_path: Path, cluster: Cluster, values: Path) -> Path:
     return bindir
 
 
-def no_crash_loop(cluster: Cluster) -> None:
-    """Fail at once, with its last log, when a chart pod's container keeps restarting (the
-    chart or an image is broken: waiting would only time out)."""
-    for p in items(cluster, "pods", "-n", "impvm-system"):
+def no_crash_loop(cluster: Cluster, namespace: str = "impvm-system") -> None:
+    """Fail at once, with its last log, when a chart pod's container in ``namespace`` keeps
+    restarting (the chart or an image is broken: waiting would only time out)."""
+    for p in items(cluster, "pods", "-n", namespace):
         for c in p.get("status", {}).get("containerStatuses", []):
             if c.get("restartCount", 0) >= 3:
                 name = p["metadata"]["name"]
-                log = cluster.kubectl("-n", "impvm-system", "logs", name, "--previous", check=False)
+                log = cluster.kubectl("-n", namespace, "logs", name, "--previous", check=False)
                 raise AssertionError(f"{name} restarts: {c.get('state')}\n{log[-3000:]}")
+
+
+async def cluster_github(cluster: Cluster) -> tuple[StandIn, str]:
+    """The stand-in GitHub, started where the cluster's pods reach it as they would the
+    internet, seeded with the App and its installation; and the App's private key (PEM)."""
+    net = cluster.network
+    assert net is not None
+    standin = StandIn(sock=cluster.internet.socket(net.internet_address, 0))
+    await standin.start()
+    key = make_private_key()
+    seed_github(standin, key, app_id=APP_ID, installation_id=INSTALLATION_ID, org=ORG)
+    return standin, key
 
 
 def uninstall(env: dict[str, str]) -> None:
@@ -91,15 +103,23 @@ def items(cluster: Cluster, *args: str) -> list[dict[str, Any]]:
     return got
 
 
+def no_template_failing(cluster: Cluster, namespace: str, agents: str) -> None:
+    """Fail now, with the agents' last words, when a pool in ``namespace`` says its VMs fail at
+    start (TemplateFailing): the jobs would wait out the deadline for nothing."""
+    for pool in items(cluster, "impvmrunnerpools", "-n", namespace):
+        for c in (pool.get("status") or {}).get("conditions", []):
+            if c["type"] == "TemplateFailing" and c["status"] == "True":
+                logs = cluster.kubectl(
+                    "-n", agents, "logs", "-l", "app.kubernetes.io/component=agent",
+                    "--tail=40", "--prefix", check=False,
+                )  # fmt: skip
+                raise AssertionError(f"{pool['metadata']['name']}: {c['message']}\n{logs}")
+
+
 async def test_readme_install_runs_jobs_in_vms_on_both_nodes(
     tmp_path: Path, cluster: Cluster, cluster_images: ClusterImages
 ) -> None:
-    net = cluster.network
-    assert net is not None
-    standin = StandIn(sock=cluster.internet.socket(net.internet_address, 0))
-    await standin.start()
-    key = make_private_key()
-    seed_github(standin, key, app_id=APP_ID, installation_id=INSTALLATION_ID, org=ORG)
+    standin, key = await cluster_github(cluster)
     (tmp_path / "app.pem").write_text(key)
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
     try:
@@ -175,6 +195,7 @@ async def test_readme_install_runs_jobs_in_vms_on_both_nodes(
                 cluster.kubectl("get", "impvm,pods", "-A", "-o", "wide"),
             )
             await asyncio.to_thread(no_crash_loop, cluster)
+            await asyncio.to_thread(no_template_failing, cluster, "default", "impvm-system")
             for lease in await asyncio.to_thread(
                 items,
                 cluster,

@@ -17,8 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from impvm.devstack.stack import ORG, POOL, REPO, Stack, StackConfig, wait_for
+from impvm.devstack.stack import INSTALLATION_ID, ORG, POOL, REPO, Stack, StackConfig, wait_for
 from impvm.github import AppCredentials, GitHubClient, Scope
+from impvm.scaling.settings import PassSettings
 from tests.github.gh_support import webhook_examples
 
 pytestmark = [pytest.mark.controlplane]
@@ -49,6 +50,9 @@ def queued_example(job_id: int, labels: list[str]) -> dict[str, Any]:
     p["repository"]["full_name"] = REPO
     p["repository"]["name"] = REPO.split("/")[1]
     p["repository"]["owner"]["login"] = ORG
+    # GitHub names the App installation the delivery is for: the stack's (a delivery naming
+    # another installation feeds no pool of this one)
+    p["installation"] = {"id": INSTALLATION_ID, "node_id": p.get("installation", {}).get("node_id")}
     return p
 
 
@@ -248,7 +252,10 @@ async def test_orphans_both_ways_and_foreign_runner_untouched(tmp_path: Path) ->
             ids = {r.id for r in s.runners()}
             return orphan.runner_id not in ids
 
-        await wait_for("orphan registration removed", orphan_gone, 60, s)
+        # an idle pool reads GitHub's runner list at most every idle_runner_list_seconds (60 s):
+        # the orphan is seen by the first list after it was made, and removed by that pass
+        limit = PassSettings().idle_runner_list_seconds + 60
+        await wait_for("orphan registration removed", orphan_gone, limit, s)
         assert foreign.runner_id in {r.id for r in s.runners()}
 
         # a VM whose registration vanished while idle is replaced

@@ -81,6 +81,13 @@ async def test_operator_and_agent_export_every_family(stack: Stack) -> None:
         namespace=NAMESPACE,
         patch_type=PatchType.MERGE,
     )
+    # a second pool that fits the same jobs: each job fits both, and goes to the older one
+    await stack.add_pool("twin", ["imp"], min_idle=0)
+
+    async def twin_passed() -> bool:
+        return "observedGeneration" in await stack.pool_status("twin")
+
+    await wait_for("the twin pool's first pass", twin_passed, 120, stack)
     job_ids = stack.queue_jobs(2, sleep=1.0)
     stack.queue_jobs(1, labels=["self-hosted", "no-such-label"])  # matches no pool
 

@@ -51,9 +51,11 @@ APP_SECRET = "github-app"
 # ---------------------------------------------------------------------------- the pure judgement
 
 
-def _caller(node: str | None = "a", user: str = AGENT, ok: bool = True) -> Caller:
+def _caller(
+    node: str | None = "a", user: str = AGENT, ok: bool = True, audiences: tuple[str, ...] = ()
+) -> Caller:
     extra = ((NODE_NAME_EXTRA, (node,)),) if node else ()
-    return Caller(authenticated=ok, username=user, extra=extra)
+    return Caller(authenticated=ok, username=user, extra=extra, audiences=audiences or (AUDIENCE,))
 
 
 VM = VMFacts(uid="u1", node="a", phase="Scheduled", secret="vm-jit")
@@ -65,6 +67,8 @@ SEC = SecretFacts(name="vm-jit", owner_uids=frozenset({"u1"}), has_value=True)
     [
         (_caller(), VM, SEC, Verdict.GRANTED),
         (_caller(ok=False), VM, SEC, Verdict.UNAUTHENTICATED),
+        # a review that does not name our audience (a server not audience aware) proves nothing
+        (_caller(audiences=("https://kubernetes.default.svc",)), VM, SEC, Verdict.UNAUTHENTICATED),
         (_caller(user="system:serviceaccount:x:impvm-agent"), VM, SEC, Verdict.NOT_AN_AGENT),
         (_caller(node=None), VM, SEC, Verdict.NO_NODE),
         (_caller(node="b"), VM, SEC, Verdict.OTHER_NODE),

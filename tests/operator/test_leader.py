@@ -21,7 +21,7 @@ from impvm.operator.leader import (
     Renew,
     Standby,
     Timing,
-    decide,
+    lease_move,
     observe,
 )
 
@@ -40,11 +40,11 @@ def test_timing_must_be_ordered() -> None:
 
 def test_decide_table() -> None:
     seen = Observation(("b", "t1"), 100.0)
-    assert decide(None, "a", seen, 100, T) == Acquire(create=True, transitions=0)
-    assert decide(_lease("a"), "a", seen, 100, T) == Renew()
-    assert decide(_lease("b"), "a", seen, 114.9, T) == Standby("b")
-    assert decide(_lease("b", transitions=3), "a", seen, 115, T) == Acquire(False, 4)
-    assert decide(_lease(""), "a", seen, 100, T) == Acquire(False, 1)  # released
+    assert lease_move(None, "a", seen, 100, T) == Acquire(create=True, transitions=0)
+    assert lease_move(_lease("a"), "a", seen, 100, T) == Renew()
+    assert lease_move(_lease("b"), "a", seen, 114.9, T) == Standby("b")
+    assert lease_move(_lease("b", transitions=3), "a", seen, 115, T) == Acquire(False, 4)
+    assert lease_move(_lease(""), "a", seen, 100, T) == Acquire(False, 1)  # released
 
 
 @given(
@@ -68,7 +68,7 @@ def test_a_standby_takes_over_only_after_a_full_lease_without_change(
     now += wait
     seen = observe(view, seen, now)  # the same record: no change
     assert seen.seen_at == last_change
-    action = decide(view, "a", seen, now, T)
+    action = lease_move(view, "a", seen, now, T)
     if view.holder == "a":
         assert action == Renew()
     elif view.holder == "" or now - last_change >= T.lease_duration:

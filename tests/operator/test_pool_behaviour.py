@@ -1,5 +1,5 @@
 """The pool controller against the real API server and the GitHub stand-in, one pass at a time,
-with the operator's clock moved by the test: agents' Leases in any namespace, long pool names,
+with the operator's clock moved by the test: agents' Leases only in their own namespace, long pool names,
 rate limits that must not freeze a pass, registrations that vanish, template roll-outs, the
 webhook-mode safety poll, cooldown, and jobs whose ``completed`` delivery was lost."""
 
@@ -12,19 +12,28 @@ import uuid
 
 import pytest
 from lightkube import Client
+from lightkube.core.exceptions import ApiError
 from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Namespace, Secret
 from lightkube.types import PatchType
 
-from impvm.api.models import AGENT_LEASE_LABEL, API_VERSION, POOL_LABEL, Platform
+from impvm.api.models import (
+    AGENT_LEASE_LABEL,
+    AGENT_LEASE_NAMESPACE,
+    AGENT_LEASE_PREFIX,
+    API_VERSION,
+    POOL_LABEL,
+    Platform,
+)
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource, ImpVMTemplateResource
 from impvm.devstack.stack import APP_ID, INSTALLATION_ID, REPO, app_secret
 from impvm.devstack.standin.state import Failure
 from impvm.github import RetryPolicy
 from impvm.operator.context import OperatorContext, OperatorSettings
 from impvm.operator.pool import PoolReconciler, runner_prefix
+from impvm.scaling.settings import PassSettings
 from tests.operator.conftest import BASE_IMAGE, POOL, RUNNER_LAYER, TEMPLATE, PoolEnv
 
 pytestmark = [pytest.mark.controlplane]
@@ -56,42 +65,49 @@ async def bound_vm(env: PoolEnv, node: str, suffix: str) -> str:
     return name
 
 
-async def test_agent_leases_are_found_in_any_namespace(env: PoolEnv, kube: Client) -> None:
-    """An agent started with ``--lease-namespace`` other than impvm-system keeps its VMs: the
-    operator finds agents' Leases by label in every namespace."""
-    await env.ready_pool(minIdle=1)
-    lease_ns = f"agents-{uuid.uuid4().hex[:8]}"
-    kube.create(Namespace(metadata=ObjectMeta(name=lease_ns)))
-    try:
-        node = f"node-{uuid.uuid4().hex[:6]}"
-        kube.create(
-            Lease(
-                metadata=ObjectMeta(
-                    name=f"impvm-agent-{node}",
-                    namespace=lease_ns,
-                    labels=dict([AGENT_LEASE_LABEL]),
-                ),
-                spec=LeaseSpec(
-                    holderIdentity=node,
-                    leaseDurationSeconds=40,
-                    renewTime=dt.datetime.now(dt.UTC),
-                ),
-            )
-        )
-        name = await bound_vm(env, node, "0b0b0b")
-        await env.run_pass()
-        vm = await env.vm(name)
-        assert (vm.get("status") or {}).get("exitReason") != "NodeLost"
-        assert env.events_with("NodeLost") == []
+def node_lease(node: str, namespace: str) -> Lease:
+    """A live agent Lease of ``node`` in ``namespace`` (what an agent renews; what a tenant
+    with edit rights in ``namespace`` can make too)."""
+    return Lease(
+        metadata=ObjectMeta(
+            name=f"{AGENT_LEASE_PREFIX}{node}",
+            namespace=namespace,
+            labels=dict([AGENT_LEASE_LABEL]),
+        ),
+        spec=LeaseSpec(
+            holderIdentity=node,
+            leaseDurationSeconds=40,
+            renewTime=dt.datetime.now(dt.UTC),
+        ),
+    )
 
-        # a node without any Lease is lost: its VM is failed and replaced
-        other = await bound_vm(env, "no-such-node", "c0c0c0")
+
+async def test_a_tenant_made_agent_lease_keeps_no_node_alive(env: PoolEnv, kube: Client) -> None:
+    """Only the agents' Lease namespace holds node Leases: a Lease with the agents' label and
+    name made in a tenant's namespace does not keep a dead node's VMs (they are failed
+    ``NodeLost`` and replaced), while the same Lease in the agents' namespace does."""
+    await env.ready_pool(minIdle=1)
+    try:
+        kube.create(Namespace(metadata=ObjectMeta(name=AGENT_LEASE_NAMESPACE)))
+    except ApiError as e:
+        if e.status.code != 409:
+            raise
+    suffix = uuid.uuid4().hex[:6]
+    live, faked = f"node-live-{suffix}", f"node-faked-{suffix}"
+    kube.create(node_lease(live, AGENT_LEASE_NAMESPACE))
+    # the tenant's own namespace (the pool's): edit rights there allow creating Leases
+    kube.create(node_lease(faked, env.ns))
+    try:
+        kept = await bound_vm(env, live, "0b0b0b")
+        lost = await bound_vm(env, faked, "c0c0c0")
         await env.run_pass()
+        vm = await env.vm(kept)
+        assert (vm.get("status") or {}).get("exitReason") != "NodeLost"
         (ev,) = env.events_with("NodeLost")
-        assert other in ev.message and ev.type == "Warning"
-        assert other not in {v["metadata"]["name"] for v in await env.vms()}
+        assert lost in ev.message and ev.type == "Warning"
+        assert lost not in {v["metadata"]["name"] for v in await env.vms()}
     finally:
-        kube.delete(Namespace, lease_ns)
+        kube.delete(Lease, f"{AGENT_LEASE_PREFIX}{live}", namespace=AGENT_LEASE_NAMESPACE)
 
 
 async def test_a_pool_with_the_longest_name_registers_runners(env: PoolEnv) -> None:
@@ -228,9 +244,9 @@ async def test_webhook_mode_safety_poll_period_is_a_setting(env: PoolEnv) -> Non
     await env.create_credentials()
     await env.create_pool(mode="webhook", webhook={"secretRef": {"name": "hook"}})
     settings = OperatorSettings(
+        pool=PassSettings(webhook_safety_poll_seconds=60),
         github_api_url=env.standin.url,
         github_retry=RetryPolicy(max_transient_retries=0),
-        webhook_safety_poll_seconds=60,
     )
     ctx = OperatorContext(env.ctx.kube, settings, clock=env.clock)
     try:
@@ -256,13 +272,14 @@ async def test_a_job_whose_completed_delivery_was_lost_is_not_kept_in_progress(
     (vm,) = await env.vms()
     await env.runner_call(vm, "/acquire", {"wait": 0})
     await env.pass_after(31)  # the poll sees the job in progress on our runner
-    assert env.ctx.jobs.jobs[job.id].status == "in_progress"
+    table = env.ctx.jobs_of((env.ns, POOL))
+    assert table is not None and table.jobs[job.id].status == "in_progress"
     assert (await env.vm(vm["metadata"]["name"]))["status"]["job"]["id"] == job.id
 
     await env.runner_call(vm, f"/jobs/{job.id}/complete", {"conclusion": "success"})
     await env.pass_after(31)  # no webhook reaches the operator: only the next poll can tell
-    assert job.id not in env.ctx.jobs.jobs
-    assert env.ctx.jobs.running_on([vm["metadata"]["name"]]) == {}
+    assert job.id not in table.jobs
+    assert table.running_on([vm["metadata"]["name"]]) == {}
 
 
 async def test_the_webhook_secret_stays_known_while_a_pass_rereads_it(env: PoolEnv) -> None:

@@ -28,7 +28,7 @@ from impvm.github import Scope
 from impvm.github.errors import GitHubError
 from impvm.operator.pool import PoolReconciler
 from impvm.operator.sources import SECRET_VALUE_MAX_BYTES, CachedSource
-from impvm.scaling.world import PoolObj
+from impvm.scaling.poolpass import PoolObj
 from tests.operator.conftest import POOL, TEMPLATE, PoolEnv
 from tests.operator.test_pool_controller import wait_until
 

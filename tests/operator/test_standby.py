@@ -28,7 +28,7 @@ class Receiver:
         self.seen: list[tuple[bytes, dict[str, str]]] = []
 
     async def handle(self, request: web.Request) -> web.Response:
-        self.seen.append((await request.read(), dict(request.headers)))
+        self.seen.append((await http.body_of(request), dict(request.headers)))
         return web.json_response({"message": "accepted"}, status=202)
 
 

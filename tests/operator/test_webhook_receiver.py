@@ -22,6 +22,7 @@ from impvm.operator.context import OperatorContext
 from impvm.operator.webhooks import WebhookReceiver
 from impvm.scaling.jobtable import PoolScope
 from impvm.scaling.labels import PoolLabels
+from impvm.scaling.poolpass import PoolMemory, PoolRoute
 
 pytestmark = [pytest.mark.controlplane]
 
@@ -32,9 +33,15 @@ SECRET = "hook-secret-for-tests"
 async def receiver(control_plane: ControlPlane) -> AsyncIterator[tuple[WebhookReceiver, str]]:
     kube = AsyncClient(config=KubeConfig.from_file(str(control_plane.kubeconfig)))
     ctx = OperatorContext(kube)
-    mem = ctx.pool(("ns", "small"))
-    mem.webhook_secret = SECRET
-    mem.scope = PoolScope(PoolLabels(namespace="ns", name="small", labels=("imp",)), org="octo")
+    scope = PoolScope(
+        PoolLabels(namespace="ns", name="small", labels=("imp",)),
+        org="octo",
+        installation="gh#installation/1",
+        installation_id=1,
+    )
+    ctx.pool(("ns", "small")).memory = PoolMemory(
+        route=PoolRoute(scope=scope, webhook_secret=SECRET)
+    )
     rx = WebhookReceiver(ctx, max_remembered=10)
     port = free_port()
     runner = await operator_http.start(operator_http.make_app(rx.handle), "127.0.0.1", port)
@@ -82,4 +89,6 @@ async def test_unmatched_jobs_are_remembered_in_bounded_memory(
     assert len(rx._logged_unmatched) == 10
     assert deliveries_counted("accepted") == accepted + 31
     scope = rx.ctx.pool(("ns", "small")).scope
-    assert scope is not None and rx.ctx.jobs.pending(scope.key, rx.ctx.scopes()) == 1
+    table = rx.ctx.jobs_of(("ns", "small"))
+    assert scope is not None and table is not None
+    assert table.pending(scope.key, rx.ctx.scopes()) == 1

@@ -51,7 +51,7 @@ async def test_boots_its_kernel_and_never_writes_the_shared_image_disk(
     assert out["uname"].startswith(f"Linux probe {rt.kernel.version} "), out
     assert (out["usr"], out["usr-after"]) == ("writable", "1")  # it did write to /usr
     assert 2_500_000 < int(out["disk"]) <= 3 * 1024 * 1024  # the scratch disk is diskGiB
-    assert out["fwcfg"] == "0"  # the fw_cfg driver is gone once the runner runs
+    assert out["fwcfg"] == "0"  # the guest loads no fw_cfg driver (nothing of the VM is there)
     assert hashlib.sha256(disk.read_bytes()).hexdigest() == before
     assert disk.stat().st_mode & 0o222 == 0
     await rt.cleanup(req)
@@ -60,8 +60,9 @@ async def test_boots_its_kernel_and_never_writes_the_shared_image_disk(
 async def test_jit_config_is_on_no_host_file(
     tmp_path: Path, images: Images, qemu_runtime: QemuRuntime, shared_store: ImageStore
 ) -> None:
-    """The JIT config reaches the guest through a pipe (fw_cfg): while the VM runs it is in no
-    process's environment and in no host file but the (scrubbed on read) console log."""
+    """The JIT config reaches the guest over the config channel (a socket pair): while the VM
+    runs it is in no process's environment and in no host file but the (scrubbed on read)
+    console log."""
     rt = qemu_runtime
     marker = "jitmarker-" + secrets.token_hex(16)
     req = _req(tmp_path, "jit", images.base, images.sleep)

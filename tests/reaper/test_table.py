@@ -9,22 +9,24 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from impvm.api.models import ImpVMStatus, JobStatus
+from impvm.api.models import ImpVMSpec
+from impvm.api.vm import VM
 from impvm.reaper import (
     DEFAULT_COMPLETED_GRACE_SECONDS,
     Action,
     JobInfo,
+    JobRecord,
     Lookup,
-    ReapVM,
+    ReapVerdict,
     Rule,
     RunInfo,
-    Verdict,
     format_duration,
     judge,
     lookup_failed,
     needs_lookup,
     parse_repository,
     parse_run_id,
+    recorded_job,
 )
 
 NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
@@ -36,7 +38,32 @@ def ago(seconds: float) -> datetime:
     return NOW - timedelta(seconds=seconds)
 
 
-def busy_vm(name: str = "vm", **kw: object) -> ReapVM:
+SPEC = ImpVMSpec.model_validate({"classRef": {"name": "c"}, "image": "i@sha256:" + "1" * 64})
+
+
+def reap_vm(
+    *,
+    name: str = "vm",
+    deleting: bool = False,
+    job_id: object = None,
+    workflow_run_id: object = None,
+    repository: object = None,
+    job_started_at: datetime | None = None,
+) -> VM:
+    """A VM whose stored job record (``status.job``) holds these raw values (the table never
+    trusts the record: a value the API server would refuse must still not be judged)."""
+    job = {
+        "id": job_id,
+        "workflowRunId": workflow_run_id,
+        "repository": repository,
+        "startedAt": job_started_at.isoformat() if job_started_at else None,
+    }
+    record = {k: v for k, v in job.items() if v is not None}
+    stored = {"job": record} if record else {}
+    return VM(namespace="ns", name=name, spec=SPEC, stored_status=stored, deleting=deleting)
+
+
+def busy_vm(name: str = "vm", **kw: object) -> VM:
     fields: dict[str, object] = {
         "job_id": 7,
         "workflow_run_id": 42,
@@ -44,7 +71,7 @@ def busy_vm(name: str = "vm", **kw: object) -> ReapVM:
         "job_started_at": ago(60),
     }
     fields.update(kw)
-    return ReapVM(name=name, **fields)  # type: ignore[arg-type]
+    return reap_vm(name=name, **fields)  # type: ignore[arg-type]
 
 
 def running_run() -> RunInfo:
@@ -56,12 +83,12 @@ def running_job(started: float = 60) -> JobInfo:
 
 
 def verdict(
-    vm: ReapVM,
+    vm: VM,
     run: RunInfo,
     job: JobInfo | None = None,
     max_job: int = HOUR,
     grace: int = GRACE,
-) -> Verdict:
+) -> ReapVerdict:
     return judge(vm, run, job, NOW, max_job_seconds=max_job, completed_grace_seconds=grace)
 
 
@@ -71,14 +98,14 @@ def verdict(
 
 def test_row1_deleting_is_kept_without_lookup() -> None:
     v = needs_lookup(busy_vm(deleting=True))
-    assert isinstance(v, Verdict)
+    assert isinstance(v, ReapVerdict)
     assert (v.action, v.rule) == (Action.KEEP, Rule.DELETING)
     assert "being deleted" in v.reason
 
 
 def test_row2_idle_is_kept_without_lookup() -> None:
-    v = needs_lookup(ReapVM(name="idle"))
-    assert isinstance(v, Verdict)
+    v = needs_lookup(reap_vm(name="idle"))
+    assert isinstance(v, ReapVerdict)
     assert (v.action, v.rule) == (Action.KEEP, Rule.IDLE)
     assert "idle" in v.reason and "idle" in v.reason.split()[1]
 
@@ -115,7 +142,7 @@ def test_row3_malformed_record_is_not_judged(
 ) -> None:
     vm = busy_vm(workflow_run_id=run_id, repository=repository)
     v = needs_lookup(vm)
-    assert isinstance(v, Verdict)
+    assert isinstance(v, ReapVerdict)
     assert (v.action, v.rule) == (Action.NOT_JUDGED, Rule.MALFORMED)
     assert mentions in v.reason
     # judge() re-checks and never deletes, whatever GitHub is claimed to have said.
@@ -124,8 +151,8 @@ def test_row3_malformed_record_is_not_judged(
 
 
 def test_job_id_alone_counts_as_a_recorded_job() -> None:
-    v = needs_lookup(ReapVM(name="vm", job_id=3))
-    assert isinstance(v, Verdict) and v.rule is Rule.MALFORMED
+    v = needs_lookup(reap_vm(name="vm", job_id=3))
+    assert isinstance(v, ReapVerdict) and v.rule is Rule.MALFORMED
 
 
 def test_lookup_for_a_valid_record() -> None:
@@ -273,7 +300,7 @@ def test_seed_004_scenario() -> None:
     1 day ago), busy (job started 60 s ago): the hung and cancelled ones go, idle and busy stay,
     the idle one needs no lookup."""
     vms = {
-        "idle": ReapVM(name="idle"),
+        "idle": reap_vm(name="idle"),
         "hung": busy_vm("hung", job_id=1, workflow_run_id=101, job_started_at=ago(10 * 86400)),
         "cancelled": busy_vm("cancelled", job_id=2, workflow_run_id=102),
         "busy": busy_vm("busy", job_id=3, workflow_run_id=103),
@@ -287,10 +314,10 @@ def test_seed_004_scenario() -> None:
         103: (running_run(), running_job(60)),
     }
     calls: list[int] = []
-    verdicts: dict[str, Verdict] = {}
+    verdicts: dict[str, ReapVerdict] = {}
     for name, vm in vms.items():
         first = needs_lookup(vm)
-        if isinstance(first, Verdict):
+        if isinstance(first, ReapVerdict):
             verdicts[name] = first
             continue
         calls.append(first.run_id)
@@ -350,19 +377,24 @@ def test_parse_run_id_and_repository() -> None:
     assert parse_repository("a/.github") == "a/.github"
 
 
-def test_from_status() -> None:
-    status = ImpVMStatus(
-        phase="Running",
-        job=JobStatus(id=5, workflow_run_id=9, repository="o/r", started_at=ago(30)),
+def test_the_job_record_is_read_from_the_vm_as_stored() -> None:
+    body = {
+        "metadata": {"name": "v", "namespace": "ns"},
+        "spec": SPEC.wire(),
+        "status": {
+            "phase": "Running",
+            "job": {"id": 5, "workflowRunId": 9, "repository": "o/r", "startedAt": "x"},
+        },
+    }
+    vm = VM.from_body(body)  # a start that is not a time: the status is not readable
+    assert vm.unreadable and vm.has_job
+    assert recorded_job(vm) == JobRecord(job_id=5, workflow_run_id=9, repository="o/r")
+    body["status"]["job"]["startedAt"] = ago(30).isoformat()  # type: ignore[index]
+    assert recorded_job(VM.from_body(body)) == JobRecord(
+        job_id=5, workflow_run_id=9, repository="o/r", started_at=ago(30)
     )
-    vm = ReapVM.from_status(name="v", deleting=False, status=status)
-    assert vm == ReapVM(
-        name="v", job_id=5, workflow_run_id=9, repository="o/r", job_started_at=ago(30)
-    )
-    assert ReapVM.from_status(name="v", deleting=True, status=None) == ReapVM(
-        name="v", deleting=True
-    )
-    assert not ReapVM.from_status(name="v", deleting=False, status=ImpVMStatus()).has_job
+    assert recorded_job(VM.from_body({**body, "status": None})) == JobRecord()
+    assert not VM.from_body({**body, "status": {"phase": "Running"}}).has_job
 
 
 def test_run_and_job_from_github_json() -> None:
@@ -401,8 +433,8 @@ OFFSET = st.integers(-100, 20 * 86400)
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> tuple[ReapVM, RunInfo, JobInfo | None, int, int]:
-    vm = ReapVM(
+def cases(draw: st.DrawFn) -> tuple[VM, RunInfo, JobInfo | None, int, int]:
+    vm = reap_vm(
         name="vm",
         deleting=draw(st.booleans()),
         job_id=draw(st.none() | st.integers(1, 10**9)),
@@ -428,13 +460,13 @@ def cases(draw: st.DrawFn) -> tuple[ReapVM, RunInfo, JobInfo | None, int, int]:
 
 @given(cases())
 def test_prop_judge_agrees_with_needs_lookup(
-    case: tuple[ReapVM, RunInfo, JobInfo | None, int, int],
+    case: tuple[VM, RunInfo, JobInfo | None, int, int],
 ) -> None:
     vm, run, job, max_job, grace = case
     first = needs_lookup(vm)
     v = judge(vm, run, job, NOW, max_job, grace)
     assert v.reason
-    if isinstance(first, Verdict):
+    if isinstance(first, ReapVerdict):
         assert v == first
         assert v.action is not Action.DELETE
     if vm.deleting or not vm.has_job:
@@ -443,7 +475,7 @@ def test_prop_judge_agrees_with_needs_lookup(
 
 @given(cases())
 def test_prop_delete_only_on_positive_evidence(
-    case: tuple[ReapVM, RunInfo, JobInfo | None, int, int],
+    case: tuple[VM, RunInfo, JobInfo | None, int, int],
 ) -> None:
     vm, run, job, max_job, grace = case
     v = judge(vm, run, job, NOW, max_job, grace)
@@ -464,7 +496,7 @@ def test_prop_delete_only_on_positive_evidence(
 
 @given(cases(), st.integers(0, 10 * 86400))
 def test_prop_a_deletion_stays_a_deletion_as_time_passes(
-    case: tuple[ReapVM, RunInfo, JobInfo | None, int, int], later: int
+    case: tuple[VM, RunInfo, JobInfo | None, int, int], later: int
 ) -> None:
     vm, run, job, max_job, grace = case
     if judge(vm, run, job, NOW, max_job, grace).delete:

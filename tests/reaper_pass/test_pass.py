@@ -14,7 +14,7 @@ from lightkube.types import PatchType
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
 from impvm.github import GitHubClient
 from impvm.operator.context import OperatorContext, OperatorSettings
-from impvm.operator.reaper import reap_pool, reaper_loop
+from impvm.operator.reaper import Reaper, reap_pool, reaper_loop
 from impvm.reaper import Rule
 
 from .conftest import (
@@ -410,19 +410,19 @@ def standin_url(world: World) -> str:
 async def test_pass_locks_are_not_kept_after_the_pass(
     world: World, akube: AsyncClient, github: GitHubClient
 ) -> None:
-    """Passes of one pool are serialised by a lock that lives only while a pass runs: pools
-    come and go, and their locks must not pile up in the operator's memory."""
+    """Passes of one pool are serialised by a lock (the reaper's, not a module's) that lives
+    only while a pass runs: pools come and go, and their locks must not pile up in the
+    operator's memory."""
     import gc
-
-    from impvm.operator import reaper
 
     world.create_pool()
     four_vms(world)
+    reaper = Reaper(akube)
     first, second = (
-        asyncio.create_task(reap_pool(akube, github, world.refresh_pool(), now())) for _ in range(2)
+        asyncio.create_task(reaper.reap(github, world.refresh_pool(), now())) for _ in range(2)
     )
     await asyncio.sleep(0)
-    assert len(reaper._locks) == 1  # both passes share one lock
+    assert len(reaper.locks) == 1  # both passes share one lock
     await asyncio.gather(first, second)
     gc.collect()
-    assert len(reaper._locks) == 0
+    assert len(reaper.locks) == 0

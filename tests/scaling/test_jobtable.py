@@ -7,7 +7,7 @@ import datetime as dt
 from hypothesis import given
 from hypothesis import strategies as st
 
-from impvm.scaling.jobtable import Job, JobTable, PoolScope, route
+from impvm.scaling.jobtable import Job, JobTable, JobTables, PoolScope, concerned, route, tied
 from impvm.scaling.labels import PoolLabels
 
 T0 = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
@@ -125,11 +125,12 @@ def test_state_never_moves_back(statuses: list[str]) -> None:
 def test_webhook_job_only_feeds_the_pools_that_verified_it() -> None:
     t = JobTable()
     only_big = job(1, allowed=frozenset({("ns", "big")}))
-    t.apply(only_big)
+    t.apply(only_big, POOLS)
     assert route(t.jobs[1], POOLS) == BIG.key  # SMALL would fit tighter but did not verify it
     assert t.pending(SMALL.key, POOLS) == 0 and t.pending(BIG.key, POOLS) == 1
-    t.apply(job(2, allowed=frozenset({("other", "pool")})))
-    assert route(t.jobs[2], POOLS) is None
+    # verified by no pool that could run it: not even recorded
+    assert t.apply(job(2, allowed=frozenset({("other", "pool")})), POOLS) is None
+    assert 2 not in t.jobs
     # the same job seen by a poll (GitHub's own answer) may go anywhere
     t.apply(job(2))
     assert route(t.jobs[2], POOLS) == SMALL.key
@@ -148,3 +149,121 @@ def test_sweep_drops_running_jobs_a_complete_poll_no_longer_sees() -> None:
     assert t.sweep(["o/app"], still_queued=[], before=before, still_running=[2]) == [1]
     assert set(t.jobs) == {2, 3}  # 2 still runs; 3 was recorded during the poll
     assert t.apply(job(1, "in_progress", runner_name="r")) is None
+
+
+# --------------------------------------------------------------------------------------------
+# Tenants: what a delivery may change, routing within one installation, bounds
+
+
+A = PoolScope(
+    PoolLabels(namespace="team-a", name="ci", labels=("imp",), created=1.0, uid="a"),
+    org="o",
+    prefix="ci-aaaaa-",
+)
+B = PoolScope(
+    PoolLabels(namespace="team-b", name="ci", labels=("imp", "b"), created=2.0, uid="b"),
+    org="o",
+    prefix="ci-bbbbb-",
+)
+TENANTS = [A, B]
+BY_A = frozenset({("team-a", "ci")})
+BY_B = frozenset({("team-b", "ci")})
+B_JOB = ("self-hosted", "imp", "b")  # only B's pool can run it
+
+
+def test_a_delivery_changes_nothing_its_verifiers_could_not_own() -> None:
+    t = JobTable()
+    t.apply(job(1, labels=B_JOB))  # a poll: GitHub says B's job is queued
+    for status in ("in_progress", "completed"):
+        forged = job(1, status, labels=("self-hosted", "imp"), allowed=BY_A, runner_name="x")
+        assert t.apply(forged, TENANTS) is None  # judged on the job recorded, not the claim
+    assert t.pending(B.key, TENANTS) == 1 and t.jobs[1].labels == B_JOB
+
+
+def test_a_completed_delivery_never_ends_a_job_for_good() -> None:
+    t = JobTable()
+    t.apply(job(1, labels=B_JOB))
+    assert t.apply(job(1, "completed", labels=B_JOB, allowed=BY_B), TENANTS) is not None
+    assert t.pending(B.key, TENANTS) == 0  # out of demand
+    assert t.apply(job(1, "in_progress", labels=B_JOB, allowed=BY_B), TENANTS) is None
+    arrived = t.last_arrival
+    assert t.apply(job(1, labels=B_JOB)) is not None  # GitHub still sees it queued: back
+    assert t.pending(B.key, TENANTS) == 1 and t.last_arrival == arrived  # not a new arrival
+    assert t.apply(job(1, "completed", labels=B_JOB)) is not None  # GitHub's read ends it
+    assert t.apply(job(1, labels=B_JOB)) is None and 1 not in t.jobs
+
+
+def test_a_delivery_names_only_its_verifiers_runners() -> None:
+    t = JobTable()
+    t.apply(job(1))  # routed to A (tightest)
+    victim = "ci-bbbbb-0a1b2c"  # one of B's runners
+    t.apply(job(1, "in_progress", allowed=BY_A, runner_name=victim), TENANTS)
+    assert t.running_on([victim]) == {} and t.jobs[1].runner_name is None
+    own = "ci-aaaaa-0a1b2c"
+    t.apply(job(1, "in_progress", allowed=BY_A, runner_name=own), TENANTS)
+    assert t.running_on([own]) == {own: t.jobs[1]}
+
+
+def test_deliveries_are_deduplicated_per_verifier() -> None:
+    t = JobTable()
+    assert not t.seen_delivery("d1", ("team-b",))
+    assert not t.seen_delivery("d1", ("team-a",))  # B cannot make A's delivery a redelivery
+    assert t.seen_delivery("d1", ("team-a",))
+
+
+@given(st.integers(1, 60))
+def test_a_flood_evicts_only_the_flooders_own_jobs(flood: int) -> None:
+    """Each origin (GitHub's reads, each set of verifying namespaces) holds at most
+    ``max_jobs`` open jobs: B's forged deliveries push out B's own, never A's or GitHub's."""
+    t = JobTable(max_jobs=10)
+    for i in range(1, 6):
+        t.apply(job(i))  # polled
+        t.apply(job(100 + i, allowed=BY_A), TENANTS)  # A's own deliveries
+    for i in range(flood):
+        t.apply(job(1000 + i, labels=B_JOB, allowed=BY_B), TENANTS)
+    assert {1, 2, 3, 4, 5, 101, 102, 103, 104, 105} <= set(t.jobs)
+    assert sum(1 for j in t.jobs.values() if j.allowed == BY_B) == min(flood, 10)
+    assert t.evicted == max(0, flood - 10)
+
+
+def test_routing_stays_within_one_installation() -> None:
+    tables = JobTables()
+    mine = PoolScope(A.key, org="o", installation="gh#installation/1")
+    theirs = PoolScope(B.key, org="o", installation="gh#installation/2")
+    unproven = PoolScope(
+        PoolLabels(namespace="c", name="ci", labels=("imp",)), org="o", installation=None
+    )
+    pools = [mine, theirs, unproven]
+    one = tables.of("gh#installation/1")
+    one.apply(job(1, labels=("self-hosted", "imp", "b")))  # fits B's labels, in A's installation
+    one.apply(job(2))
+    assert one.pending(theirs.key, pools) == 0 and one.pending(mine.key, pools) == 1
+    assert route(one.jobs[1], pools) is None and route(one.jobs[2], pools) == mine.key
+    assert one.pending(unproven.key, pools) == 0
+    assert tables.get(None) is None and tables.get("gh#installation/2") is None
+
+
+def test_ties_go_to_the_oldest_pool_and_are_reported() -> None:
+    t = JobTable()
+    early = PoolScope(PoolLabels(namespace="zz", name="p", labels=("imp",), created=1), org="o")
+    late = PoolScope(PoolLabels(namespace="aa", name="p", labels=("imp",), created=9), org="o")
+    t.apply(job(1))
+    assert route(t.jobs[1], [late, early]) == early.key
+    assert tied(t.jobs[1], [late, early]) == (early.key, late.key)
+    assert tied(t.jobs[1], [early]) == ()
+
+
+def test_a_change_concerns_the_pool_of_the_job_and_of_its_runner() -> None:
+    """Who a poll or delivery wakes: the pool a job belongs to, and the pool whose runner it
+    runs on, of those its record allows; a job nobody can run wakes nobody."""
+    assert concerned(job(1), TENANTS) == {A.key.key}
+    assert concerned(job(1, labels=B_JOB), TENANTS) == {B.key.key}
+    assert concerned(job(1, labels=("self-hosted", "gpu")), TENANTS) == frozenset()
+    on_b = job(1, "in_progress", runner_name="ci-bbbbb-0a1b2c")  # A's job taken by B's runner
+    assert concerned(on_b, TENANTS) == {A.key.key, B.key.key}
+    ran = job(1, "completed", labels=("self-hosted", "gpu"), runner_name="ci-bbbbb-0a1b2c")
+    assert concerned(ran, TENANTS) == {B.key.key}  # only its runner's pool cares
+    # a delivery A's secret verified never wakes B for B's runner name
+    told = job(1, "in_progress", labels=("x",), runner_name="ci-bbbbb-0a1b2c", allowed=BY_A)
+    assert concerned(told, TENANTS) == frozenset()
+    assert concerned(job(1, repo="elsewhere/app"), TENANTS) == frozenset()

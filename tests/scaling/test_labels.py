@@ -14,6 +14,7 @@ from impvm.scaling import (
     choose_pool,
     job_matches,
 )
+from impvm.scaling.labels import fitting_pools
 
 
 @pytest.mark.parametrize(
@@ -62,12 +63,30 @@ def test_choose_pool_prefers_the_tightest_fit() -> None:
     assert choose_pool(["imp"], []) is None
 
 
-def test_choose_pool_ties_broken_by_namespace_then_name() -> None:
-    a = PoolLabels(namespace="b", name="a", labels=("imp",))
-    b = PoolLabels(namespace="a", name="z", labels=("imp",))
-    c = PoolLabels(namespace="a", name="y", labels=("IMP", "imp", "linux"))  # same effective size
-    assert choose_pool(["imp"], [a, b, c]) == c
-    assert choose_pool(["imp"], [a, b]) == b
+def test_choose_pool_ties_go_to_the_oldest_pool_never_by_name() -> None:
+    old = PoolLabels(namespace="z-team", name="z", labels=("imp",), created=100.0, uid="u2")
+    new = PoolLabels(namespace="a-team", name="a", labels=("imp",), created=200.0, uid="u1")
+    same_age = PoolLabels(namespace="a", name="a", labels=("IMP", "imp"), created=100.0, uid="u1")
+    assert choose_pool(["imp"], [new, old]) == old  # "a-team" sorts first but came later
+    assert choose_pool(["imp"], [old, same_age]) == same_age  # then the uid, never the name
+    assert fitting_pools(["imp"], [new, old, same_age]) == [same_age, old, new]
+    tight = PoolLabels(namespace="m", name="m", labels=("imp", "large"), created=1.0)
+    assert choose_pool(["imp", "large"], [new, tight]) == tight  # the tightest fit comes first
+
+
+@given(
+    st.permutations(["a", "b", "c"]),
+    st.lists(st.floats(0, 1e9, allow_nan=False), min_size=3, max_size=3, unique=True),
+)
+def test_prop_no_name_wins_a_tie(names: list[str], created: list[float]) -> None:
+    """Renaming the namespaces of equally fitting pools never changes which one a job goes
+    to: the oldest, whatever it is called."""
+    pools = [
+        PoolLabels(namespace=n, name="pool", labels=("imp",), created=c, uid=f"uid-{i}")
+        for i, (n, c) in enumerate(zip(names, created, strict=True))
+    ]
+    chosen = choose_pool(["imp"], pools)
+    assert chosen is not None and chosen.created == min(created)
 
 
 LABELS = st.sampled_from(["imp", "gpu", "large", "linux", "x64", "self-hosted", "arm64", "Imp"])

@@ -1,5 +1,6 @@
-"""Unit tests of impvm.scaling.pool.decide: every sizing rule, then
-properties over arbitrary snapshots."""
+"""Unit tests of the pool sizing (impvm.scaling.poolpass.size_pool): every sizing rule, then
+properties over arbitrary facts. That a sizing's acts leave nothing for the next pass to do is
+tested with the real executor (tests/operator/test_pool_fixpoint.py)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,26 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from impvm.api.models import ImpVMRunnerPoolSpec, ImpVMStatus, JobStatus, RunnerStatus
-from impvm.scaling import (
+from impvm.api.models import (
+    TEMPLATE_HASH_ANNOTATION,
+    ImpVMRunnerPoolSpec,
+    ImpVMSpec,
+    ImpVMStatus,
+    JobStatus,
+    RunnerStatus,
+)
+from impvm.api.vm import VM
+from impvm.scaling.poolpass import (
     PoolLimits,
-    PoolSnapshot,
     Reason,
     RunnerView,
-    ScalePlan,
+    Sizing,
+    SizingFacts,
     VMState,
-    VMView,
     classify,
-    decide,
     parse_demand,
 )
+from impvm.scaling.poolpass import size_pool as decide
 
 NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -46,34 +54,77 @@ def limits(**kw: int) -> PoolLimits:
     return PoolLimits(**base)
 
 
-def vm(name: str, **kw: object) -> VMView:
-    fields: dict[str, object] = {
-        "created_at": ago(10),
-        "phase": "Running",
-        "has_secret": True,
-    }
-    fields.update(kw)
-    return VMView(name=name, **fields)  # type: ignore[arg-type]
+SPEC = {"classRef": {"name": "c"}, "image": "registry.example/i@sha256:" + "1" * 64}
+
+
+def vm(
+    name: str,
+    *,
+    created_at: datetime | None = None,
+    phase: str | None = "Running",
+    started_at: datetime | None = None,
+    deleting: bool = False,
+    runner_id: int | None = None,
+    has_secret: bool = True,
+    job_id: int | None = None,
+    runner_online: bool | None = None,
+    runner_busy: bool | None = None,
+    outdated: bool = False,
+) -> VM:
+    """A VM as sizing reads it: phase and times, its recorded runner (id, online, busy) and
+    job, whether its JIT Secret exists, and whether it was made from an older template."""
+    spec = dict(SPEC)
+    if has_secret:
+        spec["runnerConfigSecret"] = f"{name}-jit"
+    recorded = (runner_id, runner_online, runner_busy) != (None, None, None)
+    runner = (
+        RunnerStatus(id=runner_id, online=runner_online, busy=runner_busy) if recorded else None
+    )
+    status = ImpVMStatus(
+        phase=phase,  # type: ignore[arg-type]
+        started_at=started_at,
+        runner=runner,
+        job=JobStatus(id=job_id) if job_id is not None else None,
+    )
+    return VM(
+        namespace="ns",
+        name=name,
+        created_at=ago(10) if created_at is None else created_at,
+        spec=ImpVMSpec.model_validate(spec),
+        status=status,
+        deleting=deleting,
+        annotations={TEMPLATE_HASH_ANNOTATION: "old" if outdated else "current"},
+    )
 
 
 def reg(id: int, name: str, *, online: bool = True, busy: bool = False) -> RunnerView:
     return RunnerView(id=id, name=name, online=online, busy=busy)
 
 
-def idle_vm(name: str, rid: int, **kw: object) -> tuple[VMView, RunnerView]:
+def idle_vm(name: str, rid: int, **kw: object) -> tuple[VM, RunnerView]:
     return vm(name, runner_id=rid, **kw), reg(rid, name)
 
 
 def snap(
     lim: PoolLimits | None = None,
-    vms: tuple[VMView, ...] = (),
+    vms: tuple[VM, ...] = (),
     runners: tuple[RunnerView, ...] | None = (),
     **kw: object,
-) -> PoolSnapshot:
-    return PoolSnapshot(limits=lim or limits(), now=NOW, vms=vms, runners=runners, **kw)  # type: ignore[arg-type]
+) -> SizingFacts:
+    return SizingFacts(
+        limits=lim or limits(),
+        now=NOW,
+        vms=vms,
+        runners=runners,
+        secrets=frozenset(v.spec.runner_config_secret or "" for v in vms),
+        outdated=frozenset(
+            v.name for v in vms if v.annotations.get(TEMPLATE_HASH_ANNOTATION) == "old"
+        ),
+        **kw,  # type: ignore[arg-type]
+    )
 
 
-def deleted(plan: ScalePlan) -> dict[str, Reason]:
+def deleted(plan: Sizing) -> dict[str, Reason]:
     return {d.name: d.reason for d in plan.delete_vms}
 
 
@@ -96,7 +147,7 @@ def deleted(plan: ScalePlan) -> dict[str, Reason]:
         (vm("a", phase=None), None, VMState.STARTING),
     ],
 )
-def test_classify(view: VMView, registration: RunnerView | None, state: VMState) -> None:
+def test_classify(view: VM, registration: RunnerView | None, state: VMState) -> None:
     assert classify(view, registration) is state
 
 
@@ -229,7 +280,7 @@ def test_no_creation_while_github_inventory_is_unknown() -> None:
 # Scale-down
 
 
-def _three_idle() -> tuple[tuple[VMView, ...], tuple[RunnerView, ...]]:
+def _three_idle() -> tuple[tuple[VM, ...], tuple[RunnerView, ...]]:
     pairs = [idle_vm(f"i{i}", i, created_at=ago(100 - i)) for i in range(3)]
     return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 
@@ -390,7 +441,7 @@ def test_running_vm_whose_registration_vanished_is_replaced() -> None:
         vm("v", phase="Running"),  # no runner id recorded
     ],
 )
-def test_not_treated_as_vanished(view: VMView) -> None:
+def test_not_treated_as_vanished(view: VM) -> None:
     plan = decide(snap(limits(min_idle=1), (view,), ()))
     assert plan.delete_vms == ()
 
@@ -543,9 +594,9 @@ def test_limits_reject_out_of_range(kw: dict[str, int]) -> None:
 
 def test_snapshot_rejects_naive_times_duplicates_and_negative_demand() -> None:
     with pytest.raises(ValueError, match="timezone-aware"):
-        PoolSnapshot(limits=limits(), now=datetime(2026, 1, 1))
+        SizingFacts(limits=limits(), now=datetime(2026, 1, 1))
     with pytest.raises(ValueError, match="timezone-aware"):
-        VMView(name="a", created_at=datetime(2026, 1, 1))
+        snap(vms=(vm("a", created_at=datetime(2026, 1, 1)),))
     with pytest.raises(ValueError, match="unique"):
         snap(vms=(vm("a"), vm("a")))
     with pytest.raises(ValueError, match="queued_jobs"):
@@ -554,29 +605,30 @@ def test_snapshot_rejects_naive_times_duplicates_and_negative_demand() -> None:
         snap(demand_annotation=-1)
 
 
-def test_vm_view_from_status() -> None:
-    status = ImpVMStatus(
-        phase="Running",
-        started_at=ago(5),
-        runner=RunnerStatus(id=3, name="v"),
-        job=JobStatus(id=9, workflow_run_id=4, repository="o/r"),
+def test_the_vm_read_model_gives_what_sizing_reads() -> None:
+    body = {
+        "metadata": {"name": "v", "namespace": "ns", "creationTimestamp": "2026-03-01T11:59:51Z"},
+        "spec": {**SPEC, "runnerConfigSecret": "v-jit"},
+        "status": {
+            "phase": "Running",
+            "startedAt": "2026-03-01T11:59:55Z",
+            "runner": {"id": 3, "name": "v"},
+            "job": {"id": 9, "workflowRunId": 4, "repository": "o/r"},
+        },
+    }
+    v = VM.from_body(body)
+    assert (v.phase, v.runner_id, v.has_job, v.is_terminal) == ("Running", 3, True, False)
+    assert (v.created_at, v.status.started_at) == (ago(9), ago(5))
+    assert snap(vms=(v,)).has_secret(v)
+    empty = VM.from_body(
+        {**body, "status": None, "metadata": {**body["metadata"], "deletionTimestamp": "x"}}
     )
-    v = VMView.from_status(
-        name="v", created_at=ago(9), deleting=False, has_secret=True, status=status
+    assert (empty.phase, empty.runner_id, empty.has_job, empty.deleting) == (
+        None,
+        None,
+        False,
+        True,
     )
-    assert v == VMView(
-        name="v",
-        created_at=ago(9),
-        phase="Running",
-        started_at=ago(5),
-        runner_id=3,
-        has_secret=True,
-        job_id=9,
-    )
-    empty = VMView.from_status(
-        name="v", created_at=ago(9), deleting=True, has_secret=False, status=None
-    )
-    assert (empty.phase, empty.runner_id, empty.job_id, empty.deleting) == (None, None, None, True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -587,7 +639,7 @@ PHASES = [None, "Pending", "Scheduled", "Starting", "Running", "Succeeded", "Fai
 
 
 @st.composite
-def snapshots(draw: st.DrawFn) -> PoolSnapshot:
+def snapshots(draw: st.DrawFn) -> SizingFacts:
     lim = PoolLimits(
         min_idle=draw(st.integers(0, 6)),
         max_concurrent=draw(st.integers(0, 12)),
@@ -595,7 +647,7 @@ def snapshots(draw: st.DrawFn) -> PoolSnapshot:
         cooldown_seconds=draw(st.integers(0, 120)),
         bootstrap_timeout_seconds=draw(st.integers(30, 600)),
     )
-    vms: list[VMView] = []
+    vms: list[VM] = []
     runners: list[RunnerView] = []
     for i in range(draw(st.integers(0, 12))):
         name = f"pool-{i}"
@@ -604,8 +656,8 @@ def snapshots(draw: st.DrawFn) -> PoolSnapshot:
         rid = 100 + i if draw(st.booleans()) else None
         registration = draw(st.sampled_from(["none", "offline", "online", "busy"]))
         vms.append(
-            VMView(
-                name=name,
+            vm(
+                name,
                 created_at=ago(age),
                 phase=draw(st.sampled_from(PHASES)),
                 started_at=None if started is None else ago(started),
@@ -634,18 +686,17 @@ def snapshots(draw: st.DrawFn) -> PoolSnapshot:
             )
         )
     last = draw(st.none() | st.integers(0, 200))
-    return PoolSnapshot(
-        limits=lim,
-        now=NOW,
-        vms=tuple(vms),
-        runners=tuple(runners) if draw(st.sampled_from([True, True, True, False])) else None,
+    return snap(
+        lim,
+        tuple(vms),
+        tuple(runners) if draw(st.sampled_from([True, True, True, False])) else None,
         queued_jobs=draw(st.integers(0, 8)),
         demand_annotation=draw(st.none() | st.integers(0, 8)),
         last_scale_up_time=None if last is None else ago(last),
     )
 
 
-def _states(s: PoolSnapshot) -> dict[str, VMState]:
+def _states(s: SizingFacts) -> dict[str, VMState]:
     runners = s.runners or ()
     by_id = {r.id: r for r in runners}
     by_name = {r.name: r for r in runners}
@@ -658,7 +709,7 @@ def _states(s: PoolSnapshot) -> dict[str, VMState]:
 
 @given(snapshots())
 @settings(max_examples=400)
-def test_prop_creation_bounded_by_step_and_max_concurrent(s: PoolSnapshot) -> None:
+def test_prop_creation_bounded_by_step_and_max_concurrent(s: SizingFacts) -> None:
     plan = decide(s)
     assert 0 <= plan.create <= s.limits.scale_up_step
     assert plan.create == 0 or len(s.vms) + plan.create <= s.limits.max_concurrent
@@ -667,7 +718,7 @@ def test_prop_creation_bounded_by_step_and_max_concurrent(s: PoolSnapshot) -> No
 
 @given(snapshots())
 @settings(max_examples=400)
-def test_prop_busy_and_terminating_vms_only_deleted_when_terminal(s: PoolSnapshot) -> None:
+def test_prop_busy_and_terminating_vms_only_deleted_when_terminal(s: SizingFacts) -> None:
     plan = decide(s)
     states = _states(s)
     by_name = {v.name: v for v in s.vms}
@@ -680,7 +731,7 @@ def test_prop_busy_and_terminating_vms_only_deleted_when_terminal(s: PoolSnapsho
             assert v.phase == d.reason.value
         else:
             assert states[d.name] in (VMState.IDLE, VMState.STARTING)
-            assert v.job_id is None
+            assert not v.has_job
         assert d.message
         assert not d.deregister_first or d.runner_id is not None
     assert plan.create_reason
@@ -688,7 +739,7 @@ def test_prop_busy_and_terminating_vms_only_deleted_when_terminal(s: PoolSnapsho
 
 @given(snapshots())
 @settings(max_examples=300)
-def test_prop_counts_partition_and_desired_formula(s: PoolSnapshot) -> None:
+def test_prop_counts_partition_and_desired_formula(s: SizingFacts) -> None:
     c = decide(s).counts
     assert c.starting + c.idle + c.busy + c.terminating == c.total == len(s.vms)
     pending = max(s.queued_jobs, s.demand_annotation or 0)
@@ -698,7 +749,7 @@ def test_prop_counts_partition_and_desired_formula(s: PoolSnapshot) -> None:
 
 @given(snapshots())
 @settings(max_examples=300)
-def test_prop_unknown_inventory_means_no_github_based_action(s: PoolSnapshot) -> None:
+def test_prop_unknown_inventory_means_no_github_based_action(s: SizingFacts) -> None:
     plan = decide(dataclasses.replace(s, runners=None))
     assert plan.create == 0
     assert plan.delete_registrations == ()
@@ -708,7 +759,7 @@ def test_prop_unknown_inventory_means_no_github_based_action(s: PoolSnapshot) ->
 
 @given(snapshots(), st.randoms(use_true_random=False))
 @settings(max_examples=200)
-def test_prop_decision_ignores_listing_order(s: PoolSnapshot, rnd: random.Random) -> None:
+def test_prop_decision_ignores_listing_order(s: SizingFacts, rnd: random.Random) -> None:
     assert isinstance(rnd, random.Random)
     vms = list(s.vms)
     rnd.shuffle(vms)
@@ -718,7 +769,7 @@ def test_prop_decision_ignores_listing_order(s: PoolSnapshot, rnd: random.Random
 
 @given(snapshots())
 @settings(max_examples=300)
-def test_prop_scale_to_zero(s: PoolSnapshot) -> None:
+def test_prop_scale_to_zero(s: SizingFacts) -> None:
     s = dataclasses.replace(
         s,
         limits=dataclasses.replace(s.limits, min_idle=0),
@@ -734,46 +785,3 @@ def test_prop_scale_to_zero(s: PoolSnapshot) -> None:
     for name, state in states.items():
         if state in (VMState.IDLE, VMState.STARTING):
             assert name in removed
-
-
-def apply(s: PoolSnapshot, plan: ScalePlan) -> PoolSnapshot:
-    """Carry out ``plan`` the way the shell does, as far as the next observation is concerned."""
-    doomed = {d.name for d in plan.delete_vms}
-    gone = {r.runner_id for r in plan.delete_registrations} | {
-        d.runner_id for d in plan.delete_vms if d.deregister_first and d.runner_id is not None
-    }
-    mints = {m.name: m for m in plan.mint_secrets}
-    gone |= {m.stale_runner_id for m in mints.values() if m.stale_runner_id is not None}
-    runners = [r for r in (s.runners or ()) if r.id not in gone]
-    vms: list[VMView] = []
-    for i, v in enumerate(s.vms):
-        if v.name in doomed:
-            v = dataclasses.replace(v, deleting=True)
-        elif v.name in mints:
-            v = dataclasses.replace(v, has_secret=True, runner_id=10_000 + i)
-            runners.append(RunnerView(id=10_000 + i, name=v.name, online=False, busy=False))
-        vms.append(v)
-    vms += [
-        VMView(name=f"new-{i}", created_at=s.now, phase="Pending", has_secret=True)
-        for i in range(plan.create)
-    ]
-    return dataclasses.replace(
-        s,
-        vms=tuple(vms),
-        runners=None if s.runners is None else tuple(runners),
-        last_scale_up_time=s.now if plan.scaled_up else s.last_scale_up_time,
-    )
-
-
-@given(snapshots())
-@settings(max_examples=500)
-def test_prop_applying_a_plan_then_deciding_again_does_nothing_more(s: PoolSnapshot) -> None:
-    first = decide(s)
-    second = decide(apply(s, first))
-    assert second.delete_vms == ()
-    assert second.delete_registrations == ()
-    assert second.mint_secrets == ()
-    assert second.counts.desired == first.counts.desired
-    # Only a pass capped by scaleUpStep leaves more to create.
-    if second.create > 0:
-        assert first.create == s.limits.scale_up_step

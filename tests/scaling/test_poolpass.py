@@ -1,10 +1,13 @@
-"""The pure pool pass (impvm.scaling.poolpass): every decision the shell carries out, table tests
-first, then properties over arbitrary worlds (idempotence, conditions a function of the world,
-the clock honouring cooldown, backoff and bootstrap timeouts)."""
+"""The pure pool pass (impvm.scaling.poolpass): its first phase (poll first?), the acts it decides
+and its conclusion, table tests first, then properties over arbitrary worlds (conditions a
+function of the world, the clock honouring cooldown, backoff and bootstrap timeouts). That a
+pass's acts leave nothing for the next pass to do is tested with the real executor
+(tests/operator/test_pool_fixpoint.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from datetime import timedelta
 from typing import Any
@@ -14,39 +17,41 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from impvm.api.models import AGENT_FINALIZER, TEMPLATE_HASH_ANNOTATION
+from impvm.api.patches import wire
 from impvm.scaling.jobtable import Job
 from impvm.scaling.names import MAX_RUNNER_NAME, owns_runner_name, runner_prefix, vm_name
 from impvm.scaling.nodes import NodeLease
-from impvm.scaling.pool import Reason
 from impvm.scaling.poolpass import (
-    Outcome,
-    PollRequest,
-    PoolPlan,
-    decide,
-    github_condition,
-    poll_since,
-    poll_wanted,
-    settle,
-)
-from impvm.scaling.world import (
+    ActsDone,
     BackoffState,
+    FailureKind,
     GitHubFailure,
     GitHubView,
-    PassSettings,
+    PassConclusion,
     PollOutcome,
+    PollRequest,
     PollState,
+    PoolWorld,
     RateBudget,
+    Reason,
     VerifyKey,
+    conclude_pass,
+    github_condition,
+    poll_first,
+    poll_since,
+    poll_wanted,
+    pool_acts,
 )
-from tests.scaling.poolworld import (
+from impvm.scaling.settings import PassSettings
+from tests.scaling.builders import (
     CLASS,
+    IMAGE,
     MONO,
     NEW_IMAGE,
     NOW,
     PREFIX,
-    TEMPLATE,
     ago,
-    apply,
+    one_pass,
     pool_obj,
     reg,
     vm,
@@ -54,14 +59,26 @@ from tests.scaling.poolworld import (
 )
 
 
-def conds(plan: PoolPlan) -> dict[str, dict[str, Any]]:
-    assert plan.settlement is not None
-    return {c["type"]: dict(c) for c in plan.settlement.conditions}
+def conds(end: PassConclusion) -> dict[str, dict[str, Any]]:
+    return {str(c["type"]): dict(c) for c in end.conditions}
 
 
-def reasons(plan: PoolPlan) -> list[str]:
-    assert plan.settlement is not None
-    return [e.reason for e in plan.settlement.events]
+def reasons(end: PassConclusion) -> list[str]:
+    return [e.reason for e in end.events]
+
+
+def status(end: PassConclusion) -> dict[str, Any]:
+    return wire(end.status)
+
+
+def remembering(w: PoolWorld, **memory: Any) -> PoolWorld:
+    """``w`` with its memory (backoff, poll state) as a last pass left it."""
+    return dataclasses.replace(w, memory=dataclasses.replace(w.memory, **memory))
+
+
+def polled(w: PoolWorld, outcome: PollOutcome, pending: int = 0) -> PoolWorld:
+    """``w`` once the poll it asked for answered (the job table read again)."""
+    return w.after_poll(outcome, dataclasses.replace(w, pending_jobs=pending))
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,82 +86,67 @@ def reasons(plan: PoolPlan) -> list[str]:
 
 
 def test_template_missing_blocks_everything_and_requeues_after_30s() -> None:
-    plan = decide(world(template=None, vm_class=None, vms=(vm("aaaaaa", phase="Failed"),)))
-    assert plan.acts == 0 and plan.sizing is None
-    c = conds(plan)
+    w = world(template=None, vm_class=None, vms=(vm("aaaaaa", phase="Failed"),))
+    acts, end = one_pass(w)
+    assert acts.count == 0 and acts.sizing is None and poll_first(w) is None
+    c = conds(end)
     assert (c["TemplateMissing"]["status"], c["TemplateMissing"]["reason"]) == ("True", "NotFound")
     assert "'tpl' not found in namespace ns" in c["TemplateMissing"]["message"]
     assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "TemplateMissing")
-    assert plan.settlement is not None and plan.settlement.requeue == 30.0
-    assert reasons(plan) == ["TemplateMissing"]
-    assert plan.settlement.status == {"observedGeneration": 3}
+    assert end.requeue == 30.0
+    assert reasons(end) == ["TemplateMissing"]
+    assert status(end) == {"observedGeneration": 3}
 
     # stored as such: the next pass sends no second Event and needs no write
-    again = decide(apply(world(template=None, vm_class=None), plan))
-    assert reasons(again) == [] and again.settlement is not None and not again.settlement.write
+    stored = {**status(end), "conditions": list(end.conditions)}
+    _, again = one_pass(world(template=None, vm_class=None, pool=pool_obj(status=stored)))
+    assert reasons(again) == [] and not again.write
 
 
 def test_class_missing_names_the_class() -> None:
-    c = conds(decide(world(vm_class=None)))
+    c = conds(one_pass(world(vm_class=None))[1])
     assert c["TemplateMissing"]["reason"] == "ClassNotFound"
     assert "'small'" in c["TemplateMissing"]["message"]
 
 
-def test_found_template_clears_the_condition_and_shapes_new_vms() -> None:
-    w = world(pool=pool_obj(spec={"runnerLayer": "r@sha256:" + "9" * 64, "expireAfter": "2h"}))
-    plan = decide(w)
-    assert conds(plan)["TemplateMissing"]["status"] == "False"
-    assert plan.new_vm is not None
-    assert plan.new_vm.spec == {
-        "classRef": {"name": "small"},
-        "image": TEMPLATE.spec.image,
-        "lifecycle": "ephemeral",
-        "runnerLayer": "r@sha256:" + "9" * 64,  # the pool's layer wins over the template's
-        "expireAfter": "2h",
-    }
-    assert plan.new_vm.labels == {"imp.dev/runner-pool": "pool"}
-    assert len(plan.new_vm.annotations[TEMPLATE_HASH_ANNOTATION]) == 16
+def test_found_template_clears_the_condition_and_makes_vms_of_its_hash() -> None:
+    acts, end = one_pass(world())
+    assert conds(end)["TemplateMissing"]["status"] == "False"
+    assert acts.create == 1 and len(acts.made_from) == 16  # the template hash of new VMs
 
 
 PEM = "-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n"
 
 
-def test_a_signing_key_goes_onto_new_vms_and_into_the_template_hash() -> None:
+def test_a_signing_key_goes_into_the_template_hash() -> None:
     key = VerifyKey(pem=PEM, fingerprint="sha256:" + "a" * 64)
-    unsigned = decide(world())
-    signed = decide(world(verify_key=key))
-    assert signed.new_vm is not None and unsigned.new_vm is not None
-    assert signed.new_vm.spec["verify"] == {"publicKey": PEM}
-    assert "verify" not in unsigned.new_vm.spec
-    h = TEMPLATE_HASH_ANNOTATION
-    assert signed.new_vm.annotations[h] != unsigned.new_vm.annotations[h]
+    unsigned = pool_acts(world())
+    signed = pool_acts(world(verify_key=key))
+    assert signed.made_from != unsigned.made_from
     # a rotated key makes the idle VMs made with the old one outdated (they roll)
-    w = world((vm("aaaaaa", runner=(1, True, False)),), (reg(1, "aaaaaa"),), verify_key=key)
-    made = apply(w, decide(w))
-    (old,) = [v for v in made.vms if v.name == PREFIX + "aaaaaa"]
-    old = dataclasses.replace(
-        old, annotations={h: signed.new_vm.annotations[h]}
+    h = TEMPLATE_HASH_ANNOTATION
+    made = dataclasses.replace(
+        vm("aaaaaa", runner=(1, True, False)), annotations={h: signed.made_from}
     )  # made with the key
-    w = dataclasses.replace(w, vms=(old,))
-    assert decide(w).settlement.status["outdated"] == 0  # type: ignore[union-attr]
+    w = world((made,), (reg(1, "aaaaaa"),), verify_key=key)
+    assert status(one_pass(w)[1])["outdated"] == 0
     rotated = dataclasses.replace(key, fingerprint="sha256:" + "b" * 64)
-    w = dataclasses.replace(w, verify_key=rotated)
-    assert decide(w).settlement.status["outdated"] == 1  # type: ignore[union-attr]
+    assert status(one_pass(dataclasses.replace(w, verify_key=rotated))[1])["outdated"] == 1
 
 
 def test_an_unusable_signing_key_blocks_every_vm_and_requeues_after_30s() -> None:
     problem = "verify.publicKeySecretRef of the template: Secret ns/k key cosign.pub: not found"
-    plan = decide(world(verify_key_problem=problem, vms=(vm("aaaaaa"),)))
-    assert plan.acts == 0 and plan.sizing is None and plan.new_vm is None
-    c = conds(plan)
+    acts, end = one_pass(world(verify_key_problem=problem, vms=(vm("aaaaaa"),)))
+    assert acts.count == 0 and acts.sizing is None and acts.create == 0
+    c = conds(end)
     assert (c["TemplateMissing"]["status"], c["TemplateMissing"]["reason"]) == (
         "True",
         "VerifyKeyMissing",
     )
     assert problem in c["TemplateMissing"]["message"]
     assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "TemplateMissing")
-    assert plan.settlement is not None and plan.settlement.requeue == 30.0
-    assert reasons(plan) == ["TemplateMissing"]
+    assert end.requeue == 30.0
+    assert reasons(end) == ["TemplateMissing"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,33 +190,35 @@ def test_overlapping_and_equal_pool_names_never_own_each_others_runners() -> Non
     ("failure", "expected"),
     [
         (
-            GitHubFailure(kind="CredentialsError", message="m"),
+            GitHubFailure(kind=FailureKind.CREDENTIALS_ERROR, message="m"),
             ("CredentialsInvalid", "CredentialsError"),
         ),
         (
-            GitHubFailure(kind="BadCredentials", message="m"),
+            GitHubFailure(kind=FailureKind.BAD_CREDENTIALS, message="m"),
             ("CredentialsInvalid", "BadCredentials"),
         ),
         (
-            GitHubFailure(kind="PermissionNotGranted", message="m"),
+            GitHubFailure(kind=FailureKind.PERMISSION_NOT_GRANTED, message="m"),
             ("CredentialsInvalid", "PermissionNotGranted"),
         ),
         (
-            GitHubFailure(kind="RateLimited", message="m", rate_kind="secondary", retry_after=60),
+            GitHubFailure(
+                kind=FailureKind.RATE_LIMITED, message="m", rate_kind="secondary", retry_after=60
+            ),
             ("RateLimited", "SecondaryRateLimit"),
         ),
         (
             GitHubFailure(
-                kind="InstallationUnavailable", message="m", unavailable_reason="removed"
+                kind=FailureKind.INSTALLATION_UNAVAILABLE, message="m", unavailable_reason="removed"
             ),
             ("GitHubUnavailable", "InstallationUnavailable"),
         ),
         (
-            GitHubFailure(kind="TransientError", message="m"),
+            GitHubFailure(kind=FailureKind.TRANSIENT, message="m"),
             ("GitHubUnavailable", "TransientError"),
         ),
-        (GitHubFailure(kind="NotFound", message="m"), ("GitHubUnavailable", "NotFound")),
-        (GitHubFailure(kind="RequestRejected", message="m"), None),
+        (GitHubFailure(kind=FailureKind.NOT_FOUND, message="m"), ("GitHubUnavailable", "NotFound")),
+        (GitHubFailure(kind=FailureKind.REQUEST_REJECTED, message="m"), None),
     ],
 )
 def test_github_error_to_condition(
@@ -226,55 +230,58 @@ def test_github_error_to_condition(
 
 def test_listing_failure_sets_the_condition_backs_off_and_decides_nothing_github_based() -> None:
     failure = GitHubFailure(
-        kind="TransientError", message="GitHub 502 on /orgs/{org}/actions/runners"
+        kind=FailureKind.TRANSIENT, message="GitHub 502 on /orgs/{org}/actions/runners"
     )
     w = world(
         (vm("aaaaaa", phase="Succeeded", runner=(7, False, False)), vm("bbbbbb")),
         None,
         github=GitHubView(connected=True, failure=failure),
     )
-    plan = decide(w)
-    assert [d.name for d in plan.deletions] == [PREFIX + "aaaaaa"]  # terminal only
-    assert plan.create == 0 and not plan.mints and not plan.use_github
-    c = conds(plan)
+    acts, end = one_pass(w)
+    assert [d.name for d in acts.deletions] == [PREFIX + "aaaaaa"]  # terminal only
+    assert acts.create == 0 and not acts.mints and not acts.use_github
+    c = conds(end)
     assert (c["GitHubUnavailable"]["status"], c["GitHubUnavailable"]["reason"]) == (
         "True",
         "TransientError",
     )
     assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "TransientError")
-    assert reasons(plan) == ["GitHubError"]
-    s = plan.settlement
-    assert s is not None and s.backoff.failures == 1 and not s.backoff.ready(MONO)
-    assert s.requeue <= s.backoff.not_before - MONO
+    assert reasons(end) == ["GitHubError"]
+    backoff = end.memory.backoff
+    assert backoff.failures == 1 and not backoff.ready(MONO)
+    assert end.requeue <= backoff.not_before - MONO
 
 
 def test_rate_limit_waits_for_the_reset_and_says_when() -> None:
     failure = GitHubFailure(
-        kind="RateLimited",
+        kind=FailureKind.RATE_LIMITED,
         message="GitHub primary rate limit",
         rate_kind="primary",
         retry_after=3600,
     )
-    plan = decide(world(github=GitHubView(connected=True, failure=failure)))
-    c = conds(plan)
+    _, end = one_pass(world(github=GitHubView(connected=True, failure=failure)))
+    c = conds(end)
     assert (c["RateLimited"]["status"], c["RateLimited"]["reason"]) == ("True", "PrimaryRateLimit")
     assert "resets 2026-03-01T13:00:00Z" in c["RateLimited"]["message"]
-    s = plan.settlement
-    assert s is not None and s.backoff.not_before >= MONO + 3600
-    assert s.requeue == PassSettings().resync_seconds  # passes go on; GitHub waits
+    assert end.memory.backoff.not_before >= MONO + 3600
+    assert end.requeue == PassSettings().resync_seconds  # passes go on; GitHub waits
 
 
 def test_a_rate_limit_answer_clears_an_earlier_unavailable() -> None:
     """GitHub answering with a rate limit is GitHub answering: the 5xx condition of an earlier
     pass does not stay True beside RateLimited until a list succeeds."""
-    down = GitHubFailure(kind="TransientError", message="GitHub 502 on /orgs/{org}/runners")
-    first = decide(world(github=GitHubView(connected=True, failure=down)))
+    down = GitHubFailure(kind=FailureKind.TRANSIENT, message="GitHub 502 on /orgs/{org}/runners")
+    _, first = one_pass(world(github=GitHubView(connected=True, failure=down)))
     assert conds(first)["GitHubUnavailable"]["status"] == "True"
     limited = GitHubFailure(
-        kind="RateLimited", message="GitHub primary rate limit", rate_kind="primary", retry_after=60
+        kind=FailureKind.RATE_LIMITED,
+        message="GitHub primary rate limit",
+        rate_kind="primary",
+        retry_after=60,
     )
     pool = pool_obj(status={"conditions": list(conds(first).values())})
-    c = conds(decide(world(pool=pool, github=GitHubView(connected=True, failure=limited))))
+    _, end = one_pass(world(pool=pool, github=GitHubView(connected=True, failure=limited)))
+    c = conds(end)
     assert c["RateLimited"]["status"] == "True"
     assert (c["GitHubUnavailable"]["status"], c["GitHubUnavailable"]["reason"]) == (
         "False",
@@ -283,58 +290,66 @@ def test_a_rate_limit_answer_clears_an_earlier_unavailable() -> None:
 
 
 def test_a_missing_key_is_a_credentials_event_not_a_github_error() -> None:
-    failure = GitHubFailure(kind="CredentialsError", message="credentials Secret lacks key 'k'")
-    plan = decide(world(github=GitHubView(failure=failure)))
-    assert reasons(plan) == ["CredentialsInvalid"]
-    assert conds(plan)["Ready"]["reason"] == "CredentialsError"
+    failure = GitHubFailure(
+        kind=FailureKind.CREDENTIALS_ERROR, message="credentials Secret lacks key 'k'"
+    )
+    _, end = one_pass(world(github=GitHubView(failure=failure)))
+    assert reasons(end) == ["CredentialsInvalid"]
+    assert conds(end)["Ready"]["reason"] == "CredentialsError"
 
 
 def test_while_backing_off_nothing_is_asked_of_github() -> None:
     backoff = BackoffState(failures=2, not_before=MONO + 3, last_error="boom")
-    plan = decide(world((), None, github=GitHubView(connected=True, skipped=True), backoff=backoff))
-    assert plan.use_github is False and plan.create == 0
-    c = conds(plan)
+    w = remembering(
+        world((), None, github=GitHubView(connected=True, skipped=True)), backoff=backoff
+    )
+    acts, end = one_pass(w)
+    assert acts.use_github is False and acts.create == 0
+    c = conds(end)
     assert (c["Ready"]["reason"], c["Ready"]["message"]) == ("GitHubBackoff", "boom; retry in 3s")
     assert "CredentialsInvalid" not in c  # not touched: as it was stored
 
 
 def test_mint_failure_outcome_reports_jit_mint_failed() -> None:
     w = world()
-    plan = decide(w)
-    assert plan.create == 1
-    f = GitHubFailure(kind="RequestRejected", message="GitHub 422 on /jit", vm=PREFIX + "abcdef")
-    done = settle(w, plan, Outcome(created=1, failure=f))
-    c = {x["type"]: x for x in done.conditions}
+    acts = pool_acts(w)
+    assert acts.create == 1
+    f = GitHubFailure(
+        kind=FailureKind.REQUEST_REJECTED, message="GitHub 422 on /jit", vm=PREFIX + "abcdef"
+    )
+    end = conclude_pass(w, acts, ActsDone(created=1, failure=f))
+    c = conds(end)
     assert c["GitHubUnavailable"]["status"] == "False"  # rejected: GitHub is not down
     assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "JitMintFailed")
     assert "RequestRejected" in c["Ready"]["message"] and "retry in" in c["Ready"]["message"]
-    assert [e.reason for e in done.events] == ["GitHubError", "ScaledUp"]
-    assert done.status["starting"] == 1 and done.status["total"] == 1
-    assert not done.backoff.ready(MONO)
+    assert [e.reason for e in end.events] == ["GitHubError", "ScaledUp"]
+    assert status(end)["starting"] == 1 and status(end)["total"] == 1
+    assert not end.memory.backoff.ready(MONO)
 
 
 def test_secret_write_failure_backs_off_like_github() -> None:
     w = world()
-    done = settle(w, decide(w), Outcome(created=1, secret_write_failed="JIT Secret x (HTTP 403)"))
-    c = {x["type"]: x for x in done.conditions}
+    done = ActsDone(created=1, secret_write_failed="JIT Secret x (HTTP 403)")
+    end = conclude_pass(w, pool_acts(w), done)
+    c = conds(end)
     assert (c["Ready"]["reason"], c["Ready"]["message"]) == (
         "SecretWriteFailed",
         "JIT Secret x (HTTP 403)",
     )
-    assert "SecretWriteFailed" in [e.reason for e in done.events]
-    assert not done.backoff.ready(MONO)
+    assert "SecretWriteFailed" in reasons(end)
+    assert not end.memory.backoff.ready(MONO)
 
 
 def test_success_clears_the_github_conditions_and_the_backoff() -> None:
-    w = world(backoff=BackoffState(failures=3, not_before=MONO - 1, last_error="x"))
-    plan = decide(w)
-    c = conds(plan)
+    w = remembering(world(), backoff=BackoffState(failures=3, not_before=MONO - 1, last_error="x"))
+    _, end = one_pass(w)
+    c = conds(end)
     assert all(
         c[t]["status"] == "False"
         for t in ("CredentialsInvalid", "GitHubUnavailable", "RateLimited")
     )
     assert c["Ready"]["status"] == "True"
-    assert plan.settlement is not None and plan.settlement.backoff.failures == 0
+    assert end.memory.backoff.failures == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,24 +364,49 @@ def test_poll_schedule_by_mode() -> None:
     assert poll_wanted(world(pool=pool_obj())) is None  # manual
     first = world(pool=polling_pool())
     assert poll_wanted(first) is not None
-    plan = decide(first)
-    assert plan.poll is not None and plan.acts == 0  # poll first, nothing else
-    recent = dataclasses.replace(first, poll=PollState(MONO - 10))
+    assert poll_first(first) is not None  # the first phase: poll, then decide
+    recent = remembering(first, poll=PollState(MONO - 10))
     assert poll_wanted(recent) is None
-    assert poll_wanted(dataclasses.replace(first, poll=PollState(MONO - 30))) is not None
+    assert poll_wanted(remembering(first, poll=PollState(MONO - 30))) is not None
     # a runner became busy: a queued job was taken, poll again at once
     busy = dataclasses.replace(
         recent, github=GitHubView(connected=True, runners=(reg(1, "aaaaaa", busy=True),))
     )
     assert poll_wanted(busy) == "a runner became busy since the last poll"
     # once polled this pass, never twice
-    polled = first.after_poll(PollOutcome(time=NOW, queued=2, api_calls=3), 2, {})
-    assert poll_wanted(polled) is None
-    assert decide(polled).settlement.status["lastPoll"] == {  # type: ignore[union-attr]
+    done = polled(first, PollOutcome(time=NOW, queued=2, api_calls=3), pending=2)
+    assert poll_wanted(done) is None and poll_first(done) is None
+    assert status(one_pass(done)[1])["lastPoll"] == {
         "time": "2026-03-01T12:00:00Z",
         "queuedJobs": 2,
         "apiCalls": 3,
     }
+
+
+def test_a_vanished_registration_without_a_job_record_asks_for_a_poll_once() -> None:
+    """A running VM whose registration vanished may have run a short job between two runner
+    lists (GitHub removes an ephemeral runner after its job): the pass polls before it takes
+    the VM for broken, and asks about that runner once."""
+    running = vm("aaaaaa", runner=(1, True, False))
+    w = remembering(world((running,), (), pool=polling_pool()), poll=PollState(MONO - 5))
+    ask = poll_first(w)
+    assert ask is not None and ask.since == MONO and ask.vanished == {PREFIX + "aaaaaa"}
+    assert "vanished" in ask.why
+    asked = remembering(w, poll=PollState(MONO - 5, vanished_at_poll=ask.vanished))
+    assert poll_first(asked) is None
+    job = Job(
+        id=5,
+        run_id=6,
+        repository="octo/app",
+        labels=("imp",),
+        status="completed",
+        seen_at=ago(3),
+        runner_name=PREFIX + "aaaaaa",
+        started_at=ago(2),
+    )
+    known = dataclasses.replace(w, finished_jobs={PREFIX + "aaaaaa": job})
+    assert poll_first(known) is None  # the job record tells: no poll needed
+    assert not poll_first(remembering(world((running,), ()), poll=PollState(MONO - 5)))  # manual
 
 
 def test_webhook_mode_safety_poll_period_is_the_setting() -> None:
@@ -374,8 +414,8 @@ def test_webhook_mode_safety_poll_period_is_the_setting() -> None:
     s = PassSettings(webhook_safety_poll_seconds=120)
     w = world(pool=hook, settings=s)
     assert poll_wanted(w) == "first poll since the operator started"
-    assert poll_wanted(dataclasses.replace(w, poll=PollState(MONO - 119))) is None
-    why = poll_wanted(dataclasses.replace(w, poll=PollState(MONO - 120)))
+    assert poll_wanted(remembering(w, poll=PollState(MONO - 119))) is None
+    why = poll_wanted(remembering(w, poll=PollState(MONO - 120)))
     assert why is not None and "safety poll every 120s" in why
 
 
@@ -383,52 +423,119 @@ def test_a_poll_request_says_from_when_a_shared_poll_answers_it() -> None:
     """Pools of one installation share polls: a request is answered by a poll that started
     when it fell due (or later), and the pool's last poll becomes that poll's start."""
     first = world(pool=polling_pool())
-    assert decide(first).poll == PollRequest("first poll since the operator started", None)
-    due = dataclasses.replace(first, poll=PollState(MONO - 45))
-    req = decide(due).poll
+    # the first: a poll that started since this pass began (not one from before the pool's
+    # route was published, which deliveries in between did not reach)
+    assert poll_first(first) == PollRequest("first poll since the operator started", MONO)
+    due = remembering(first, poll=PollState(MONO - 45))
+    req = poll_first(due)
     assert req is not None and req.since == MONO - 15  # due 15 s ago: a poll since then serves
     busy = dataclasses.replace(
-        first,
-        poll=PollState(MONO - 10),
+        remembering(first, poll=PollState(MONO - 10)),
         github=GitHubView(connected=True, runners=(reg(1, "aaaaaa", busy=True),)),
     )
     assert poll_since(busy) == MONO  # the queue changed now: only a new poll will do
-    shared = first.after_poll(PollOutcome(time=NOW, started=MONO - 3), 0, {})
-    assert shared.poll.last_poll == MONO - 3
+    shared = polled(first, PollOutcome(time=NOW, started=MONO - 3))
+    assert shared.memory.poll.last_poll == MONO - 3
 
 
 def test_webhook_mode_polls_again_until_the_first_sweep_read_every_repository() -> None:
     hook = pool_obj(mode="webhook", webhook={"secretRef": {"name": "hook"}})
     w = world(pool=hook, settings=PassSettings(resync_seconds=10))
-    partial = w.after_poll(PollOutcome(time=NOW, started=MONO, swept=False), 0, {})
-    assert not partial.poll.swept
+    partial = polled(w, PollOutcome(time=NOW, started=MONO, swept=False))
+    assert not partial.memory.poll.swept
     later = dataclasses.replace(partial, mono=MONO + 10, polled=None)
     assert poll_wanted(later) == (
         "the first poll has not read every repository yet (start-up sweep)"
     )
     assert poll_since(later) == MONO + 10
-    done = dataclasses.replace(later, poll=PollState(MONO, swept=True))
+    done = remembering(later, poll=PollState(MONO, swept=True))
     assert poll_wanted(done) is None  # then only the safety poll
+
+
+def poll_times(pool: Any, settings: PassSettings, horizon: float) -> list[float]:
+    """When an idle pool (no VM, no demand) polls over ``horizon`` seconds when each pass runs
+    at the time the last one asked for: the pure pass run as its daemon runs it."""
+    mono, memory, out = MONO, None, []
+    while mono < MONO + horizon:
+        w = world(pool=pool, settings=settings, mono=mono, now=NOW + timedelta(seconds=mono - MONO))
+        if memory is not None:
+            w = dataclasses.replace(w, memory=memory)
+        if poll_first(w) is not None:
+            out.append(mono)
+            w = polled(w, PollOutcome(time=w.now, started=mono))
+        end = one_pass(w)[1]
+        assert 0 < end.requeue <= settings.resync_seconds
+        memory, mono = end.memory, mono + end.requeue
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(5, 90), st.sampled_from(["polling", "hybrid"]))
+def test_an_idle_pool_polls_at_its_interval_not_at_the_next_resync(
+    interval: int, mode: str
+) -> None:
+    """A pool at ``intervalSeconds: 5`` polled every 10 s (the idle resync), one at 12 s every
+    20 s: the pass that ends asks to run again when its next poll falls due."""
+    extra = {"webhook": {"secretRef": {"name": "hook"}}} if mode == "hybrid" else {}
+    pool = pool_obj(
+        mode=mode, minIdle=0, polling={"enabled": True, "intervalSeconds": interval}, **extra
+    )
+    times = poll_times(pool, PassSettings(), 4 * interval + 1)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert len(gaps) >= 3
+    assert all(interval <= g <= interval + 0.05 for g in gaps), gaps
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(5, 700))
+def test_the_webhook_safety_poll_keeps_its_period(safety: int) -> None:
+    hook = pool_obj(mode="webhook", minIdle=0, webhook={"secretRef": {"name": "hook"}})
+    times = poll_times(hook, PassSettings(webhook_safety_poll_seconds=safety), 2 * safety + 1)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert gaps and all(safety <= g <= safety + 0.05 for g in gaps), gaps
+
+
+def test_no_timed_poll_no_early_pass() -> None:
+    """Manual pools, hybrid pools with polling disabled and a pool backing off keep their
+    resync (or the backoff's end): nothing falls due."""
+    for pool in (
+        pool_obj(minIdle=0),
+        pool_obj(
+            mode="hybrid",
+            minIdle=0,
+            polling={"enabled": False, "intervalSeconds": 5},
+            webhook={"secretRef": {"name": "hook"}},
+        ),
+    ):
+        w = remembering(world(pool=pool), poll=PollState(MONO - 1))
+        assert one_pass(w)[1].requeue == PassSettings().resync_seconds
+    skipped = GitHubView(connected=True, skipped=True, runners=None)  # the pass kept off GitHub
+    backing_off = remembering(
+        world(pool=polling_pool(minIdle=0), github=skipped),
+        poll=PollState(MONO - 29),
+        backoff=BackoffState(failures=3, not_before=MONO + 8),
+    )
+    assert one_pass(backing_off)[1].requeue == 8
 
 
 def test_low_budget_pauses_polling_not_minting() -> None:
     budget = RateBudget(limit=5000, remaining=100, reset=1772370000)
     w = world(pool=polling_pool(), github=GitHubView(connected=True, runners=(), budget=budget))
-    plan = decide(w)
-    assert plan.poll is None and plan.create == 1  # minting goes on
-    c = conds(plan)
+    assert poll_first(w) is None
+    acts, end = one_pass(w)
+    assert acts.create == 1  # minting goes on
+    c = conds(end)
     assert (c["RateLimited"]["status"], c["RateLimited"]["reason"]) == ("True", "BudgetLow")
-    assert plan.settlement is not None and plan.settlement.poll.last_poll == MONO
+    assert end.memory.poll.last_poll == MONO
 
 
 def test_poll_failure_is_shown_and_blocks_github_work() -> None:
-    f = GitHubFailure(kind="TransientError", message="GitHub 502 on runs")
-    w = world(pool=polling_pool()).after_poll(PollOutcome(time=NOW, failure=f), 0, {})
-    plan = decide(w)
-    assert plan.create == 0 and not plan.use_github
-    s = plan.settlement
-    assert s is not None and s.status["lastPoll"]["error"] == "TransientError: GitHub 502 on runs"
-    assert conds(plan)["Ready"]["reason"] == "GitHubBackoff"
+    f = GitHubFailure(kind=FailureKind.TRANSIENT, message="GitHub 502 on runs")
+    w = polled(world(pool=polling_pool()), PollOutcome(time=NOW, failure=f))
+    acts, end = one_pass(w)
+    assert acts.create == 0 and not acts.use_github
+    assert status(end)["lastPoll"]["error"] == "TransientError: GitHub 502 on runs"
+    assert conds(end)["Ready"]["reason"] == "GitHubBackoff"
 
 
 # --------------------------------------------------------------------------------------------
@@ -454,15 +561,15 @@ def test_vms_on_lost_nodes_are_failed_and_replaced_in_the_same_pass() -> None:
         lease("alive", 5),
         lease("alive", 10_000),
     )  # one live Lease is enough
-    plan = decide(world(vms, runners, leases=leases))
-    assert sorted(p.name for p in plan.lost) == [PREFIX + "aaaaaa", PREFIX + "dddddd"]
-    p = plan.lost[0]
-    assert p.status["phase"] == "Failed" and p.status["exitReason"] == "NodeLost"
+    acts = pool_acts(world(vms, runners, leases=leases))
+    assert sorted(p.name for p in acts.lost) == [PREFIX + "aaaaaa", PREFIX + "dddddd"]
+    p = acts.lost[0]
+    assert wire(p.status)["phase"] == "Failed" and p.status.exit_reason == "NodeLost"
     assert p.event is not None and p.event.warning
-    (rel,) = plan.releases
+    (rel,) = acts.releases
     assert rel.name == PREFIX + "cccccc" and rel.finalizers == ("x",)
     # failed now, so deleted now as terminal (each runner is single-use) and replaced
-    deleted = {d.name for d in plan.deletions}
+    deleted = {d.name for d in acts.deletions}
     assert {PREFIX + "aaaaaa", PREFIX + "dddddd"} <= deleted and PREFIX + "bbbbbb" not in deleted
 
 
@@ -475,36 +582,41 @@ def test_runner_records_follow_github_and_a_vanished_registration_is_offline() -
         vm("aaaaaa", runner=(1, False, False)),
         vm("bbbbbb", runner=(2, True, False), job=9),  # busy: kept although its registration went
     )
-    plan = decide(world(vms, (reg(1, "aaaaaa", online=True),)))
-    by = {p.name: dict(p.status) for p in plan.sync}
+    acts = pool_acts(world(vms, (reg(1, "aaaaaa", online=True),)))
+    by = {p.name: wire(p.status) for p in acts.records}
     assert by[PREFIX + "aaaaaa"] == {
         "runner": {"id": 1, "name": PREFIX + "aaaaaa", "online": True, "busy": False},
         # first seen online: when, and the registration time it took (created 10 s ago)
         "timings": {"createdAt": "2026-03-01T11:59:50Z", "runnerOnlineAt": "2026-03-01T12:00:00Z"},
     }
-    observed = {p.name: p.observe for p in plan.sync}
+    observed = {p.name: p.observe for p in acts.records}
     assert observed[PREFIX + "aaaaaa"] == (("runnerRegistration", 10.0),)
     assert by[PREFIX + "bbbbbb"] == {"runner": {"online": False, "busy": False}}
 
 
-def test_the_job_a_runner_took_is_recorded_once() -> None:
-    job = Job(
+def _job(status: str = "in_progress", **kw: Any) -> Job:
+    fields: dict[str, Any] = dict(
         id=77,
         run_id=5,
         repository="octo/app",
         labels=("imp",),
-        status="in_progress",
+        status=status,
         seen_at=ago(10),
         runner_name=PREFIX + "aaaaaa",
         started_at=ago(3),
     )
+    return Job(**(fields | kw))
+
+
+def test_the_job_a_runner_took_is_recorded_once() -> None:
+    job = _job()
     w = world(
         (vm("aaaaaa", runner=(1, True, True)),),
         (reg(1, "aaaaaa", busy=True),),
         running_jobs={PREFIX + "aaaaaa": job},
     )
-    (patch,) = [p for p in decide(w).sync if "job" in p.status]
-    assert patch.status == {
+    (patch,) = [p for p in pool_acts(w).records if p.status.job is not None]
+    assert wire(patch.status) == {
         "job": {
             "id": 77,
             "workflowRunId": 5,
@@ -517,7 +629,38 @@ def test_the_job_a_runner_took_is_recorded_once() -> None:
         },
     }
     assert patch.observe == (("jobPickup", 7.0),) and job.wait_seconds == 7.0
-    assert [p for p in decide(apply(w, decide(w))).sync if "job" in p.status] == []
+    recorded = dataclasses.replace(w, vms=(vm("aaaaaa", runner=(1, True, True), job=77),))
+    assert [p for p in pool_acts(recorded).records if p.status.job is not None] == []
+
+
+def test_a_runner_that_took_its_job_between_two_lists_is_busy_and_its_start_its_readiness() -> None:
+    """GitHub's list still shows the runner idle (or not at all) while the job record names it:
+    the record wins. A runner never seen online is ready when its job started."""
+    unseen = vm("aaaaaa", runner=(1, False, False))
+    w = world((unseen,), (reg(1, "aaaaaa", online=True),), running_jobs={PREFIX + "aaaaaa": _job()})
+    acts, end = one_pass(w)
+    assert (status(end)["busy"], status(end)["idle"]) == (1, 0)
+    (patch,) = acts.records
+    timings = wire(patch.status)["timings"]
+    assert timings["runnerOnlineAt"] == "2026-03-01T11:59:57Z"  # the job's start
+    assert ("runnerRegistration", 7.0) in patch.observe
+
+
+def test_a_vm_whose_job_completed_is_neither_supply_nor_replaced() -> None:
+    """Its runner ran its one job and is gone from GitHub's list, the agent has not reported
+    the VM Succeeded yet: it is winding down (no replacement, no deletion, not idle)."""
+    done = vm("aaaaaa", runner=(1, True, False))
+    finished = _job("completed", completed_at=ago(1))
+    w = world((done,), (), pool=pool_obj(minIdle=0), finished_jobs={PREFIX + "aaaaaa": finished})
+    acts, end = one_pass(w)
+    assert acts.deletions == () and acts.create == 0
+    st = status(end)
+    assert (st["idle"], st["busy"], st["starting"], st["total"]) == (0, 0, 0, 1)
+    (patch,) = acts.records
+    assert wire(patch.status)["job"]["completedAt"] == "2026-03-01T11:59:59Z"
+    # the same VM without the job record: a vanished registration, replaced as before
+    acts = pool_acts(dataclasses.replace(w, finished_jobs={}))
+    assert [d.name for d in acts.deletions] == [PREFIX + "aaaaaa"]
 
 
 def test_idle_runners_stay_idle_while_the_runner_list_cannot_be_read() -> None:
@@ -527,13 +670,12 @@ def test_idle_runners_stay_idle_while_the_runner_list_cannot_be_read() -> None:
         vm("cccccc"),
     )
     failure = GitHubFailure(
-        kind="RateLimited", message="limited", rate_kind="secondary", retry_after=60
+        kind=FailureKind.RATE_LIMITED, message="limited", rate_kind="secondary", retry_after=60
     )
-    plan = decide(world(vms, None, github=GitHubView(connected=True, failure=failure)))
-    s = plan.settlement
-    assert s is not None
-    assert (s.status["idle"], s.status["busy"], s.status["starting"]) == (1, 1, 1)
-    assert plan.sync == ()  # nothing is copied from a list that was not read
+    acts, end = one_pass(world(vms, None, github=GitHubView(connected=True, failure=failure)))
+    st = status(end)
+    assert (st["idle"], st["busy"], st["starting"]) == (1, 1, 1)
+    assert acts.records == ()  # nothing is copied from a list that was not read
 
 
 # --------------------------------------------------------------------------------------------
@@ -541,15 +683,14 @@ def test_idle_runners_stay_idle_while_the_runner_list_cannot_be_read() -> None:
 
 
 def test_a_bad_demand_annotation_is_reported_and_ignored() -> None:
-    w = world(pool=pool_obj(annotations={"imp.dev/runner-demand": "lots"}))
-    plan = decide(w)
-    assert "InvalidDemand" in reasons(plan)
-    assert plan.settlement is not None and plan.settlement.status["pendingJobs"] == 0
+    _, end = one_pass(world(pool=pool_obj(annotations={"imp.dev/runner-demand": "lots"})))
+    assert "InvalidDemand" in reasons(end)
+    assert status(end)["pendingJobs"] == 0
 
 
 def test_a_missing_webhook_secret_is_an_event() -> None:
-    plan = decide(world(webhook_secret_missing="hook"))
-    (ev,) = [e for e in plan.settlement.events if e.reason == "WebhookSecretMissing"]  # type: ignore[union-attr]
+    _, end = one_pass(world(webhook_secret_missing="hook"))
+    (ev,) = [e for e in end.events if e.reason == "WebhookSecretMissing"]
     assert ev.warning and "'hook'" in ev.message
 
 
@@ -561,7 +702,10 @@ def outdated(suffix: str, **kw: Any) -> Any:
     return vm(suffix, image=NEW_IMAGE, **kw)  # made from an image the template no longer names
 
 
-def test_rollout_replaces_idle_vms_never_below_min_idle_and_busy_ones_finish_first() -> None:
+def test_rollout_makes_replacements_first_and_keeps_min_idle_ready() -> None:
+    """The first pass of a roll-out (the passes after it run against the real executor in
+    tests/operator/test_pool_rollout.py): no outdated VM is supply, so replacements are made;
+    none goes while only minIdle idle runners are ready."""
     vms = (
         outdated("aaaaaa", runner=(1, True, False), created=30),
         outdated("bbbbbb", runner=(2, True, False), created=20),
@@ -569,41 +713,27 @@ def test_rollout_replaces_idle_vms_never_below_min_idle_and_busy_ones_finish_fir
     )
     runners = (reg(1, "aaaaaa"), reg(2, "bbbbbb"), reg(3, "cccccc", busy=True))
     w = world(vms, runners, pool=pool_obj(minIdle=2, scaleUpStep=1, maxConcurrent=10))
-    plan = decide(w)
-    assert plan.settlement is not None and plan.settlement.status["outdated"] == 3
+    acts, end = one_pass(w)
+    assert status(end)["outdated"] == 3
     # desired = busy 1 + minIdle 2 = 3; supply counts only the busy one: replacements first
-    assert plan.create == 1
-    assert plan.deletions == ()  # 2 idle, minIdle 2: none can go yet
-    for _ in range(12):
-        w = apply(w, plan)
-        # replacements come online as their guests boot
-        online = tuple(dataclasses.replace(r, online=True) for r in w.github.runners or ())
-        w = dataclasses.replace(w, github=dataclasses.replace(w.github, runners=online))
-        plan = decide(w)
-        assert len(plan.deletions) <= 1  # at most scaleUpStep per pass
-        ready = {r.id for r in online if not r.busy}
-        assert len(ready - {d.runner_id for d in plan.deletions}) >= 2  # never below minIdle
-    names = {v.name for v in w.vms}
-    assert PREFIX + "cccccc" in names  # busy: finishes its job first
-    assert not {PREFIX + "aaaaaa", PREFIX + "bbbbbb"} & names
-    s = plan.settlement
-    assert s is not None and s.status["outdated"] == 1
+    assert acts.create == 1
+    assert acts.deletions == ()  # 2 idle, minIdle 2: none can go yet
 
 
 def test_rollout_deletions_are_outdated_reason_and_deregister_first() -> None:
     vms = (outdated("aaaaaa", runner=(1, True, False)), vm("bbbbbb", runner=(2, True, False)))
-    plan = decide(world(vms, (reg(1, "aaaaaa"), reg(2, "bbbbbb")), pool=pool_obj(minIdle=1)))
-    assert plan.sizing is not None
-    (d,) = [d for d in plan.sizing.delete_vms if d.reason is Reason.OUTDATED]
+    acts = pool_acts(world(vms, (reg(1, "aaaaaa"), reg(2, "bbbbbb")), pool=pool_obj(minIdle=1)))
+    assert acts.sizing is not None
+    (d,) = [d for d in acts.sizing.delete_vms if d.reason is Reason.OUTDATED]
     assert d.name == PREFIX + "aaaaaa" and d.deregister_first
-    assert plan.create == 0  # the current idle VM already meets minIdle
+    assert acts.create == 0  # the current idle VM already meets minIdle
 
 
 def test_a_class_resize_makes_vms_outdated() -> None:
     bigger = dataclasses.replace(CLASS, spec=CLASS.spec.model_copy(update={"vcpu": 4}))
     w = world((vm("aaaaaa", runner=(1, True, False)),), (reg(1, "aaaaaa"),))
-    assert decide(w).settlement.status["outdated"] == 0  # type: ignore[union-attr]
-    assert decide(dataclasses.replace(w, vm_class=bigger)).settlement.status["outdated"] == 1  # type: ignore[union-attr]
+    assert status(one_pass(w)[1])["outdated"] == 0
+    assert status(one_pass(dataclasses.replace(w, vm_class=bigger))[1])["outdated"] == 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -632,7 +762,7 @@ def worlds(draw: st.DrawFn) -> Any:
                 runner=recorded,
                 secret=draw(st.booleans()) or kind != "none",
                 created=draw(st.sampled_from([5, 100, 1000])),
-                image=NEW_IMAGE if old else TEMPLATE.spec.image,
+                image=NEW_IMAGE if old else IMAGE,
                 job=7 if kind == "busy" and draw(st.booleans()) else None,
             )
         )
@@ -659,43 +789,33 @@ def worlds(draw: st.DrawFn) -> Any:
 
 @settings(max_examples=150, deadline=None)
 @given(worlds())
-def test_applying_a_plan_then_deciding_again_does_nothing_more(w: Any) -> None:
-    """Passes converge: within a bounded number of passes at one clock reading the plan is
-    empty (no act, no status write, no Event), and stays so. No VM that got its Secret is minted
-    again, and no VM is both minted and deleted by one plan."""
-    minted: set[str] = set()
-    for _ in range(12):
-        plan = decide(w)
-        assert plan.settlement is not None
-        for m in plan.mints:
-            assert m.vm not in minted or m.record_only, "a VM minted twice"
-        minted |= {m.vm for m in plan.mints}
-        assert not minted & {d.name for d in plan.deletions if d.name in {m.vm for m in plan.mints}}
-        if plan.acts == 0 and not plan.settlement.write and not plan.settlement.events:
-            break
-        w = apply(w, plan)
-    else:
-        raise AssertionError(f"no fixpoint: {plan}")
-    again = decide(apply(w, plan))
-    assert again.acts == 0 and again.settlement is not None and not again.settlement.write
+def test_no_vm_is_both_minted_and_deleted_and_mints_have_their_vm(w: Any) -> None:
+    """The acts of one pass never mint a JIT config for a VM they delete, mint only for VMs of
+    the pool, and record only VMs that stay."""
+    acts = pool_acts(w)
+    minted = {m.vm for m in acts.mints}
+    deleted = {d.name for d in acts.deletions}
+    assert not minted & deleted
+    assert minted <= {v.name for v in w.vms}
+    assert not {r.name for r in acts.records} & deleted
 
 
 @settings(max_examples=100, deadline=None)
 @given(worlds(), st.randoms(use_true_random=False))
 def test_conditions_and_status_are_a_function_of_the_world(w: Any, rnd: random.Random) -> None:
-    a = decide(w)
+    _, a = one_pass(w)
+    runners = w.github.runners
     shuffled = dataclasses.replace(
         w,
         vms=tuple(rnd.sample(list(w.vms), len(w.vms))),
         github=dataclasses.replace(
-            w.github, runners=tuple(rnd.sample(list(w.github.runners), len(w.github.runners)))
+            w.github, runners=tuple(rnd.sample(list(runners), len(runners)))
         ),
     )
-    b = decide(shuffled)
-    assert a.settlement is not None and b.settlement is not None
-    assert a.settlement.conditions == b.settlement.conditions
-    assert a.settlement.status == b.settlement.status
-    assert decide(w) == a  # deterministic
+    _, b = one_pass(shuffled)
+    assert a.conditions == b.conditions
+    assert a.status == b.status
+    assert one_pass(w) == one_pass(w)  # deterministic
 
 
 @settings(max_examples=100, deadline=None)
@@ -710,7 +830,7 @@ def test_cooldown_is_honoured(cooldown: int, since: int) -> None:
         (reg(1, "aaaaaa"), reg(2, "bbbbbb")),
         pool=pool_obj(status=status, minIdle=0, cooldownSeconds=cooldown),
     )
-    removed = {d.name for d in decide(w).deletions}
+    removed = {d.name for d in pool_acts(w).deletions}
     assert removed == (set() if since < cooldown else {v.name for v in vms})
 
 
@@ -718,19 +838,14 @@ def test_cooldown_is_honoured(cooldown: int, since: int) -> None:
 @given(st.floats(-100, 100), st.floats(0, 0.999))
 def test_backoff_is_honoured(until: float, jitter: float) -> None:
     """While the backoff runs, no JIT config is minted and no VM created; after it, both."""
-    w = world(
-        (vm("aaaaaa", secret=False, created=5),),
-        (),
-        backoff=BackoffState(1, MONO + until, "x"),
-        jitter=jitter,
-    )
-    plan = decide(w)
+    w = world((vm("aaaaaa", secret=False, created=5),), (), jitter=jitter)
+    acts = pool_acts(remembering(w, backoff=BackoffState(1, MONO + until, "x")))
     waiting = MONO + until > MONO
-    assert plan.use_github is not waiting
+    assert acts.use_github is not waiting
     if waiting:
-        assert plan.create == 0 and plan.mints == ()
+        assert acts.create == 0 and acts.mints == ()
     else:
-        assert [m.vm for m in plan.mints] == [PREFIX + "aaaaaa"]
+        assert [m.vm for m in acts.mints] == [PREFIX + "aaaaaa"]
 
 
 @settings(max_examples=100, deadline=None)
@@ -743,7 +858,7 @@ def test_bootstrap_timeout_is_honoured(timeout: int, age: int) -> None:
         (reg(1, "aaaaaa", online=False),),
         pool=pool,
     )
-    deleted = [d for d in decide(w).deletions if d.name == PREFIX + "aaaaaa"]
+    deleted = [d for d in pool_acts(w).deletions if d.name == PREFIX + "aaaaaa"]
     assert bool(deleted) is (age > timeout)
 
 
@@ -761,36 +876,8 @@ def test_backoff_delays_double_with_full_jitter(jitter: float, failures: int) ->
 def test_vms_made_before_the_hash_annotation_compare_by_their_spec() -> None:
     same = vm("aaaaaa", runner=(1, True, False), annotated=False)
     old = vm("bbbbbb", runner=(2, True, False), annotated=False, image=NEW_IMAGE)
-    plan = decide(world((same, old), (reg(1, "aaaaaa"), reg(2, "bbbbbb"))))
-    assert plan.settlement is not None and plan.settlement.status["outdated"] == 1
-
-
-def test_manifests_make_the_pool_own_its_vms_and_each_vm_its_secret() -> None:
-    from impvm.scaling.poolpass import Mint, jit_secret_manifest, vm_manifest
-
-    w = world()
-    plan = decide(w)
-    assert plan.new_vm is not None
-    body = vm_manifest(w.pool, plan.new_vm, PREFIX + "abcdef")
-    (owner,) = body["metadata"]["ownerReferences"]
-    assert (owner["kind"], owner["uid"], owner["controller"]) == (
-        "ImpVMRunnerPool",
-        w.pool.uid,
-        True,
-    )
-    assert body["metadata"]["labels"] == {"imp.dev/runner-pool": "pool"}
-    assert body["spec"] == plan.new_vm.spec
-    mint = Mint(
-        vm=PREFIX + "abcdef",
-        vm_uid="u-1",
-        secret=PREFIX + "abcdef-jit",
-        stale_runner_id=None,
-        record_only=False,
-    )
-    sec = jit_secret_manifest(w.pool, mint, "e30=")
-    (owner,) = sec["metadata"]["ownerReferences"]
-    assert (owner["kind"], owner["name"], owner["uid"]) == ("ImpVM", mint.vm, "u-1")
-    assert sec["data"] == {"jitconfig": "ZTMwPQ=="}
+    _, end = one_pass(world((same, old), (reg(1, "aaaaaa"), reg(2, "bbbbbb"))))
+    assert status(end)["outdated"] == 1
 
 
 def node_lease(node: str, used_vcpu: int, used_mem: int) -> NodeLease:
@@ -810,7 +897,7 @@ def conditions_of(done: Any) -> dict[str, dict[str, Any]]:
 def test_unbound_vm_that_fits_on_no_node_makes_the_pool_unschedulable() -> None:
     vms = (vm("aaaaaa", phase=None, created=60), vm("bbbbbb", phase=None, created=2))
     w = world(vms, (), leases=(node_lease("node-1", 3, 1024),))
-    done = settle(w, decide(w), Outcome())
+    done = conclude_pass(w, pool_acts(w), ActsDone())
     cond = conditions_of(done)["Unschedulable"]
     assert (cond["status"], cond["reason"]) == ("True", "InsufficientCapacity")
     # only the VM unclaimed for long enough counts; the class needs 2 vCPU, 2048 MiB
@@ -826,7 +913,7 @@ def test_unbound_vm_that_fits_on_no_node_makes_the_pool_unschedulable() -> None:
         leases=(node_lease("node-1", 0, 0),),
         pool=pool_obj(status={"conditions": list(done.conditions)}),
     )
-    done2 = settle(w2, decide(w2), Outcome())
+    done2 = conclude_pass(w2, pool_acts(w2), ActsDone())
     cond2 = conditions_of(done2)["Unschedulable"]
     assert (cond2["status"], cond2["reason"]) == ("False", "Schedulable")
     assert not [e for e in done2.events if e.reason == "Unschedulable"]
@@ -834,5 +921,5 @@ def test_unbound_vm_that_fits_on_no_node_makes_the_pool_unschedulable() -> None:
 
 def test_no_agent_at_all_is_unschedulable() -> None:
     w = world((vm("aaaaaa", phase=None, created=60),), ())
-    cond = conditions_of(settle(w, decide(w), Outcome()))["Unschedulable"]
+    cond = conditions_of(conclude_pass(w, pool_acts(w), ActsDone()))["Unschedulable"]
     assert (cond["status"], cond["reason"]) == ("True", "NoAgents")

@@ -13,12 +13,14 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from impvm.api.conditions import merge_conditions
+from impvm.api.models import ImpVMRunnerPoolStatus
+from impvm.api.patches import wire
 from impvm.scaling.jobtable import Arrival, Job, JobTable, PoolScope
 from impvm.scaling.labels import PoolLabels
-from impvm.scaling.poolpass import PoolPlan, decide
+from impvm.scaling.poolpass import PassConclusion, PoolActs, PoolMemory, PoolWorld, WarmPoolMemory
 from impvm.scaling.warmpool import WarmPoolState
-from impvm.scaling.world import PoolWorld, WarmPoolMemory
-from tests.scaling.poolworld import MONO, NOW, apply, pool_obj, reg, vm, world
+from tests.scaling.builders import MONO, NOW, one_pass, pool_obj, reg, vm, world
 
 LN2 = math.log(2.0)
 
@@ -55,15 +57,35 @@ def arrivals(first: int, n: int, when: datetime) -> tuple[Arrival, ...]:
     return tuple(Arrival(first + i, when) for i in range(n))
 
 
-def target(plan: PoolPlan) -> int:
-    assert plan.warm is not None
-    return plan.warm[0].target
+Pass = tuple[PoolActs, PassConclusion]
 
 
-def written(plan: PoolPlan) -> dict[str, Any]:
-    assert plan.settlement is not None
-    out: dict[str, Any] = dict(plan.settlement.status["warmPool"])
+def target(done: Pass) -> int:
+    assert done[0].warm is not None
+    return done[0].warm[0].target
+
+
+def written(done: Pass) -> dict[str, Any]:
+    out: dict[str, Any] = dict(wire(done[1].status)["warmPool"])
     return out
+
+
+def remembered(w: PoolWorld, warm: WarmPoolMemory) -> PoolWorld:
+    return dataclasses.replace(w, memory=PoolMemory(warm=warm))
+
+
+def next_pass(w: PoolWorld, done: Pass) -> PoolWorld:
+    """The world the next pass reads when nothing but the pool's status and the memory changed:
+    the status as stored once the conclusion was written, the memory it left."""
+    end = done[1]
+    stored = dict(w.pool.stored_status)
+    if end.write:
+        conds = merge_conditions(stored.get("conditions") or [], end.conditions)
+        stored = {**stored, **wire(end.status), "conditions": conds}
+    pool = dataclasses.replace(
+        w.pool, stored_status=stored, status=ImpVMRunnerPoolStatus.model_validate(stored)
+    )
+    return dataclasses.replace(w, pool=pool, memory=end.memory)
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,39 +100,39 @@ def test_a_burst_raises_the_target_and_a_quiet_spell_brings_it_back_to_min_idle(
     w = at(
         world(pool=pool), 1, arrivals=arrivals(1, 10, NOW + timedelta(seconds=1)), arrivals_read=10
     )
-    plan = decide(w)
+    plan = one_pass(w)
     rate = 10 * 60 * LN2 / 60  # jobs/minute: each arrival adds ln 2 / half-life
     assert target(plan) == math.ceil(rate / 60 * 20 * 2.5) == 6
-    assert plan.sizing is not None and plan.sizing.counts.desired == 6  # no job pending: warm only
-    assert plan.create == 6
+    sizing = plan[0].sizing
+    assert sizing is not None and sizing.counts.desired == 6  # no job pending: warm only
+    assert plan[0].create == 6
     st = written(plan)
     assert st["target"] == 6 and math.isclose(st["arrivalRatePerMinute"], rate)
-    assert plan.warm is not None and plan.warm[1].cursor == 10
+    assert plan[0].warm is not None and plan[0].warm[1].cursor == 10
 
     # the same arrivals seen again (the table keeps them) are not folded twice
-    w = apply(w, plan)
-    again = decide(w)
-    assert again.warm is not None and again.warm[0].state == plan.warm[0].state
+    w = next_pass(w, plan)
+    again = one_pass(w)
+    assert again[0].warm is not None and again[0].warm[0].state == plan[0].warm[0].state
     assert target(again) == 6 and written(again) == written(plan)
 
     # four half-lives later: rate/16, target ceil(0.36 runners) = 1, written without new events
-    later = decide(at(w, 241))
+    later = one_pass(at(w, 241))
     assert target(later) == 1
     st = written(later)
     assert st["target"] == 1 and st["updatedAt"] == written(plan)["updatedAt"]
-    assert [e.reason for e in later.settlement.events if e.reason == "WarmPoolResized"] == [  # type: ignore[union-attr]
-        "WarmPoolResized"
-    ]
+    resized = [e.reason for e in later[1].events if e.reason == "WarmPoolResized"]
+    assert resized == ["WarmPoolResized"]
     # a quiet half hour: nothing is expected, the pool keeps minIdle (0)
-    quiet = decide(at(apply(at(w, 241), later), 1800))
+    quiet = one_pass(at(next_pass(at(w, 241), later), 1800))
     assert target(quiet) == 0
 
 
 def test_the_target_is_clamped_to_max_idle_and_never_below_min_idle() -> None:
     pool = adaptive(min_idle=2, max_idle=4, status=warm_status(readySeconds=60.0, readySamples=3))
     w = world(pool=pool, arrivals=arrivals(1, 50, NOW), arrivals_read=50)
-    assert target(decide(w)) == 4
-    assert target(decide(world(pool=pool))) == 2  # no demand: minIdle
+    assert target(one_pass(w)) == 4
+    assert target(one_pass(world(pool=pool))) == 2  # no demand: minIdle
 
 
 def test_an_arrival_recorded_after_a_later_pass_still_counts() -> None:
@@ -123,16 +145,15 @@ def test_an_arrival_recorded_after_a_later_pass_still_counts() -> None:
         )
     )
     w = at(
-        world(pool=pool),
+        remembered(world(pool=pool), WarmPoolMemory(cursor=6)),
         31,
         arrivals=(Arrival(7, NOW + timedelta(seconds=29)),),
-        warm=WarmPoolMemory(cursor=6),
     )
-    plan = decide(w)
-    assert plan.warm is not None
-    state = plan.warm[0].state
+    warm = one_pass(w)[0].warm
+    assert warm is not None
+    state = warm[0].state
     assert math.isclose(state.arrival_rate_per_minute, LN2 * 2 ** (-1 / 60), rel_tol=1e-6)
-    assert state.updated_at == w.now and plan.warm[1].cursor == 7
+    assert state.updated_at == w.now and warm[1].cursor == 7
 
 
 def test_a_runner_online_for_the_first_time_is_one_time_to_ready_sample() -> None:
@@ -141,33 +162,31 @@ def test_a_runner_online_for_the_first_time_is_one_time_to_ready_sample() -> Non
     )
     booting = vm("aaaaaa", created=12, runner=(1, False, False))
     w = at(world((booting,), (reg(1, "aaaaaa"),), pool=pool), 0.5)
-    plan = decide(w)
-    assert plan.warm is not None
-    state, mem = plan.warm[0].state, plan.warm[1]
+    plan = one_pass(w)
+    warm = plan[0].warm
+    assert warm is not None
+    state, mem = warm[0].state, warm[1]
     alpha = 1 - 2 ** (-1 / 10)  # readyHalfLifeSamples 10
     assert state.ready_samples == 5
     assert math.isclose(state.ready_seconds or 0, 30 + alpha * (12.5 - 30))
     assert mem.ready == {booting.name}
 
     # the next pass reads a VM whose record still lags: the memory keeps it from counting again
-    lagging = at(dataclasses.replace(w, warm=mem), 2.5)
-    lagging = dataclasses.replace(lagging, pool=apply(w, plan).pool)
-    assert decide(lagging).warm[0].state.ready_samples == 5  # type: ignore[index]
+    lagging = at(next_pass(w, plan), 2.5)
+    assert one_pass(lagging)[0].warm[0].state.ready_samples == 5  # type: ignore[index]
 
     # after an operator restart (no memory) the recorded runner says it was counted already
     online = vm("aaaaaa", created=12, runner=(1, True, False))
-    restarted = at(world((online,), (reg(1, "aaaaaa"),), pool=apply(w, plan).pool), 3)
-    assert decide(restarted).warm[0].state.ready_samples == 5  # type: ignore[index]
+    written_pool = next_pass(w, plan).pool
+    restarted = at(world((online,), (reg(1, "aaaaaa"),), pool=written_pool), 3)
+    assert one_pass(restarted)[0].warm[0].state.ready_samples == 5  # type: ignore[index]
 
 
 def test_a_vm_gone_leaves_the_memory() -> None:
-    w = world(
-        (vm("aaaaaa", runner=(1, True, False)),),
-        (reg(1, "aaaaaa"),),
-        pool=adaptive(),
-        warm=WarmPoolMemory(ready=frozenset({"pool-01234-bbbbbb", "pool-01234-aaaaaa"})),
-    )
-    assert decide(w).warm[1].ready == {"pool-01234-aaaaaa"}  # type: ignore[index]
+    w = world((vm("aaaaaa", runner=(1, True, False)),), (reg(1, "aaaaaa"),), pool=adaptive())
+    ready = frozenset({"pool-01234-bbbbbb", "pool-01234-aaaaaa"})
+    w = remembered(w, WarmPoolMemory(ready=ready))
+    assert one_pass(w)[0].warm[1].ready == {"pool-01234-aaaaaa"}  # type: ignore[index]
 
 
 def test_a_read_of_the_pool_that_lags_behind_our_write_uses_the_state_written() -> None:
@@ -175,14 +194,14 @@ def test_a_read_of_the_pool_that_lags_behind_our_write_uses_the_state_written() 
         status=warm_status(readySeconds=20.0, readySamples=1, updatedAt=NOW.isoformat())
     )
     w = world(pool=pool, arrivals=arrivals(1, 10, NOW + timedelta(seconds=1)), arrivals_read=10)
-    plan = decide(at(w, 1))
-    assert plan.warm is not None
+    warm = one_pass(at(w, 1))[0].warm
+    assert warm is not None
     # next pass: the pool as read still has the old status.warmPool
-    stale = at(w, 2, warm=plan.warm[1], arrivals=arrivals(1, 11, NOW + timedelta(seconds=2)))
-    nxt = decide(stale)
-    assert nxt.warm is not None
+    stale = at(remembered(w, warm[1]), 2, arrivals=arrivals(1, 11, NOW + timedelta(seconds=2)))
+    nxt = one_pass(stale)[0].warm
+    assert nxt is not None
     bump = 60 * LN2 / 60
-    n = nxt.warm[0].state.arrival_rate_per_minute / bump
+    n = nxt[0].state.arrival_rate_per_minute / bump
     assert 10.8 < n < 11.0  # eleven arrivals, a second or two of decay
 
 
@@ -198,22 +217,23 @@ def test_fixed_mode_keeps_min_idle_and_schedules_replace_it_on_the_clock() -> No
     # NOW is Sunday 2026-03-01 12:00 UTC; Monday 07:00 UTC is 08:00 in Berlin (winter time)
     monday = (datetime(2026, 3, 2, 6, 59, 59, tzinfo=NOW.tzinfo) - NOW).total_seconds()
     w = at(world(pool=pool), monday)
-    before = decide(w)
+    before = one_pass(w)
     assert target(before) == 1 and written(before)["activeSchedule"] is None
-    w = apply(w, before)
-    opened = decide(at(w, monday + 1))
+    w = next_pass(w, before)
+    opened = one_pass(at(w, monday + 1))
     assert target(opened) == 3 and written(opened)["activeSchedule"] == "office"
-    assert opened.sizing is not None and opened.sizing.counts.desired == 3
-    w = apply(at(w, monday + 1), opened)
+    sizing = opened[0].sizing
+    assert sizing is not None and sizing.counts.desired == 3
+    w = next_pass(at(w, monday + 1), opened)
     closes = monday + 1 + 10 * 3600
-    closed = decide(at(w, closes))
+    closed = one_pass(at(w, closes))
     assert target(closed) == 1
     assert written(closed)["activeSchedule"] is None  # sent as null: a merge patch removes it
 
 
 def test_fixed_mode_still_learns_the_estimates() -> None:
     w = world(pool=pool_obj(minIdle=1), arrivals=arrivals(1, 3, NOW), arrivals_read=3)
-    plan = decide(w)
+    plan = one_pass(w)
     assert target(plan) == 1
     assert written(plan)["arrivalRatePerMinute"] > 0
 
@@ -221,26 +241,24 @@ def test_fixed_mode_still_learns_the_estimates() -> None:
 def test_a_bad_warm_pool_spec_is_a_condition_and_changes_nothing() -> None:
     bad = {"name": "w", "start": "0 8 * * *", "end": "0 9 * * *", "timeZone": "Mars/Olympus"}
     pool = pool_obj(warmPool={"mode": "fixed", "schedules": [{**bad, "minIdle": 2}]})
-    plan = decide(world((vm("aaaaaa", phase="Failed"),), pool=pool))
-    assert plan.acts == 0 and plan.warm is None and plan.settlement is not None
-    ready = {c["type"]: c for c in plan.settlement.conditions}["Ready"]
+    acts, end = one_pass(world((vm("aaaaaa", phase="Failed"),), pool=pool))
+    assert acts.count == 0 and acts.warm is None
+    ready = {c["type"]: c for c in end.conditions}["Ready"]
     assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
-    assert "spec.scaling.warmPool.schedules[0].timeZone" in ready["message"]
-    assert "warmPool" not in plan.settlement.status
+    assert "spec.scaling.warmPool.schedules[0].timeZone" in str(ready["message"])
+    assert "warmPool" not in wire(end.status)
 
 
 def test_status_warm_pool_is_compared_as_a_value() -> None:
     """The API server may spell updatedAt differently (Z or +00:00): no write for that."""
     w = world(pool=adaptive(), arrivals=arrivals(1, 2, NOW), arrivals_read=2)
-    plan = decide(w)
-    w = apply(w, plan)
+    w = next_pass(w, one_pass(w))
     spelled = dict(w.pool.stored_status)
     assert spelled["warmPool"]["updatedAt"] != NOW.isoformat()
     spelled["warmPool"] = {**spelled["warmPool"], "updatedAt": NOW.isoformat()}
     spelled["warmPool"].pop("activeSchedule")
     w = dataclasses.replace(w, pool=dataclasses.replace(w.pool, stored_status=spelled))
-    again = decide(w)
-    assert again.settlement is not None and not again.settlement.write
+    assert not one_pass(w)[1].write
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,11 +300,10 @@ def test_every_arrival_is_folded_in_exactly_once(
         now = NOW + timedelta(seconds=clock)
         log += [Arrival(len(log) + 1, now + timedelta(seconds=s)) for s in stamps[:k]]
         w = at(
-            world(pool=pool),
+            remembered(world(pool=pool), memory),
             clock,
             arrivals=tuple(a for a in log if a.seq > memory.cursor),
             arrivals_read=len(log),
-            warm=memory,
         )
         w = dataclasses.replace(
             w,
@@ -294,13 +311,13 @@ def test_every_arrival_is_folded_in_exactly_once(
                 pool, stored_status=stored, status=type(pool.status).model_validate(stored)
             ),
         )
-        plan = decide(w)
-        assert plan.warm is not None and plan.settlement is not None
+        acts, end = one_pass(w)
+        assert acts.warm is not None
         if fate != "crash":
-            memory = plan.settlement.warm or memory
-            last = plan.warm[0].state
-            if fate == "ok" and plan.settlement.write:
-                stored = {**stored, "warmPool": dict(plan.settlement.status["warmPool"])}
+            memory = end.memory.warm
+            last = acts.warm[0].state
+            if fate == "ok" and end.write:
+                stored = {**stored, "warmPool": wire(end.status)["warmPool"]}
         clock += gap
     folded = sum(1 for a in log if a.seq <= memory.cursor)
     rate = last.arrival_rate_per_minute if last is not None else 0.0
@@ -325,10 +342,11 @@ def test_the_sizing_keeps_the_warm_target_within_min_and_max_idle(
     )
     log = tuple(Arrival(i + 1, NOW + timedelta(seconds=s)) for i, s in enumerate(sorted(stamps)))
     w = at(world(pool=pool, arrivals=log, arrivals_read=len(log)), 600 + later)
-    plan = decide(w)
+    plan = one_pass(w)
     t = target(plan)
     assert min_idle <= t <= min_idle + extra
-    assert plan.sizing is not None and plan.sizing.counts.desired == min(20, t)
+    sizing = plan[0].sizing
+    assert sizing is not None and sizing.counts.desired == min(20, t)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,10 +6,10 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from impvm.scaling.poolpass import UNSCHEDULABLE_AFTER_SECONDS, Outcome, PoolPlan, decide, settle
+from impvm.scaling.poolpass import UNSCHEDULABLE_AFTER_SECONDS
 from impvm.scaling.runnerlist import Listing, awaits_runner, fresh_wait, max_list_age
-from impvm.scaling.world import PassSettings
-from tests.scaling.poolworld import NOW, pool_obj, reg, vm, world
+from impvm.scaling.settings import PassSettings
+from tests.scaling.builders import NOW, one_pass, pool_obj, reg, vm, world
 
 S = PassSettings()
 
@@ -74,13 +74,12 @@ def test_a_vm_stuck_awaiting_its_runner_does_not_keep_the_pool_on_the_busy_resyn
     pool = pool_obj(minIdle=1)
     fresh = vm("aaaaaa", phase="Starting", created=5.0, runner=(1, False, False))
     w = world((fresh,), (reg(1, "aaaaaa", online=False),), pool=pool)
-    plan = decide(w)
-    assert settle(w, plan, _ok(plan)).requeue == S.busy_resync_seconds
+    assert one_pass(w)[1].requeue == S.busy_resync_seconds
     stuck = vm("aaaaaa", phase="Starting", created=120.0, runner=(1, False, False))
     w = world((stuck,), (reg(1, "aaaaaa", online=False),), pool=pool)
-    plan = decide(w)
-    assert plan.sizing is not None and plan.sizing.counts.starting == 1
-    assert settle(w, plan, _ok(plan)).requeue == S.resync_seconds
+    acts, end = one_pass(w)
+    assert acts.sizing is not None and acts.sizing.counts.starting == 1
+    assert end.requeue == S.resync_seconds
 
 
 def test_an_unclaimed_vm_requeues_its_pool_when_it_becomes_unschedulable() -> None:
@@ -89,14 +88,7 @@ def test_an_unclaimed_vm_requeues_its_pool_when_it_becomes_unschedulable() -> No
     pool = pool_obj(minIdle=1)
     waiting = vm("aaaaaa", phase="Pending", created=5.0, runner=(1, False, False))
     w = world((waiting,), (reg(1, "aaaaaa", online=False),), pool=pool)
-    plan = decide(w)
-    assert settle(w, plan, _ok(plan)).requeue == UNSCHEDULABLE_AFTER_SECONDS - 5.0
+    assert one_pass(w)[1].requeue == UNSCHEDULABLE_AFTER_SECONDS - 5.0
     late = vm("aaaaaa", phase="Pending", created=100.0, runner=(1, False, False))
     w = world((late,), (reg(1, "aaaaaa", online=False),), pool=pool)
-    plan = decide(w)
-    assert settle(w, plan, _ok(plan)).requeue == S.resync_seconds
-
-
-def _ok(plan: PoolPlan) -> Outcome:
-    """Every act of ``plan`` done."""
-    return Outcome(created=plan.sizing.create if plan.sizing else 0)
+    assert one_pass(w)[1].requeue == S.resync_seconds

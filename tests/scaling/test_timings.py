@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from impvm.api.models import ImpVMStatus
 from impvm.scaling.timings import TimingWindow, observe, quantile, summary
-from tests.scaling.poolworld import NOW, ago, vm
+from tests.scaling.builders import NOW, ago, vm
 
 
 def timed(suffix: str, *, queued: float, started: float, booted_in: float = 0) -> object:

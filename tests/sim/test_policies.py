@@ -9,16 +9,24 @@ from typing import Any
 
 import pytest
 
-from impvm.api.models import WarmPoolSchedule
-from impvm.scaling import PoolLimits
-from impvm.scaling.warmpool import Schedule, WarmPoolPolicy
+from impvm.api.models import (
+    ImpVMSpec,
+    ImpVMStatus,
+    JobStatus,
+    RunnerStatus,
+    ScalingSpec,
+    VMPhase,
+    WarmPoolSchedule,
+    WarmPoolSpec,
+)
+from impvm.api.vm import VM
 from impvm.sim.compare import Setup, make_policy, run_all
 from impvm.sim.engine import RunResult, simulate
 from impvm.sim.model import Distribution, Model
 from impvm.sim.policies import ArcPolicy, DeciderPolicy, GarmPolicy, ImpPolicy
 from impvm.sim.report import percentile, summarise
 from impvm.sim.trace import DayProfile, TraceJob, generate
-from impvm.sim.world import Actions, Policy, PoolView, SimVM
+from impvm.sim.world import TEMPLATE, TRIGGER_ANNOTATION, Actions, Policy, PoolView
 
 T0 = datetime(2026, 3, 2, 0, 0, tzinfo=UTC)
 WORLD = Model(boot=Distribution(10, 10), assign=Distribution(1, 1), reaction=0.0, seed=1)
@@ -30,15 +38,15 @@ def jobs(*spec: tuple[float, float]) -> list[TraceJob]:
     return [TraceJob(T0 + timedelta(seconds=q), ("self-hosted", "imp"), d) for q, d in spec]
 
 
-def limits(min_idle: int = 0, **kw: int) -> PoolLimits:
+def scaling(min_idle: int = 0, warm_pool: WarmPoolSpec | None = None, **kw: int) -> ScalingSpec:
+    """A pool's ``spec.scaling``: maxConcurrent and scaleUpStep 100, cooldown 0 unless given."""
     base = {"max_concurrent": 100, "scale_up_step": 100, "cooldown_seconds": 0}
     base.update(kw)
-    return PoolLimits(min_idle=min_idle, **base)
+    return ScalingSpec(min_idle=min_idle, warm_pool=warm_pool, **base)
 
 
 def fixed(min_idle: int, **kw: int) -> DeciderPolicy:
-    w = WarmPoolPolicy(min_idle=min_idle, max_idle=min_idle)
-    return DeciderPolicy("fixed", "fixed", limits(min_idle, **kw), w, T0)
+    return DeciderPolicy("fixed", "fixed", scaling(min_idle, **kw), T0)
 
 
 def run(trace: list[TraceJob], policy: Policy) -> RunResult:
@@ -93,21 +101,26 @@ def test_garm_serves_each_queued_job_after_its_backoff() -> None:
     assert r.waits == [41.0, 45.0]
 
 
-def vm(name: str, *, online: bool = True, busy: bool = False, trigger: int | None = None) -> SimVM:
-    return SimVM(
+def vm(name: str, *, online: bool = True, busy: bool = False, trigger: int | None = None) -> VM:
+    """A simulated VM, created ``name[2:]`` seconds after T0, its runner online or starting,
+    running job 7 when busy, made for job ``trigger``."""
+    n = int(name[2:])
+    status = ImpVMStatus(
+        phase=VMPhase.RUNNING if online else VMPhase.STARTING,
+        runner=RunnerStatus(id=n, name=name),
+        job=JobStatus(id=7, workflow_run_id=7, repository="sim/repo") if busy else None,
+    )
+    return VM(
+        namespace="sim",
         name=name,
-        runner_id=int(name[2:]),
-        created=float(name[2:]),
-        created_at=T0,
-        online=1.0 if online else None,
-        online_at=T0 if online else None,
-        job=7 if busy else None,
-        started=busy,
-        trigger_job=trigger,
+        created_at=T0 + timedelta(seconds=n),
+        spec=ImpVMSpec(class_ref={"name": "sim"}, image=TEMPLATE.image),  # type: ignore[arg-type]
+        status=status,
+        annotations={TRIGGER_ANNOTATION: str(trigger)} if trigger is not None else {},
     )
 
 
-def view(now: float, vms: list[SimVM], **kw: Any) -> PoolView:
+def view(now: float, vms: list[VM], **kw: Any) -> PoolView:
     return PoolView(now=now, clock=T0 + timedelta(seconds=now), vms=tuple(vms), **kw)
 
 
@@ -185,17 +198,15 @@ def test_scale_up_step_and_max_concurrent_bound_the_decider() -> None:
 def test_cooldown_keeps_surplus_until_it_elapsed() -> None:
     # adaptive with a schedule window 00:10-00:20 minIdle 2, floor 0: the two runners made at
     # 00:10 (online 00:10:10) idle until the window closes at 00:20; with cooldown 0 they go then
-    window = Schedule.from_spec(
-        WarmPoolSchedule(name="w", start="10 0 * * *", end="20 0 * * *", min_idle=2), "w"
-    )
-    warm = WarmPoolPolicy(min_idle=0, max_idle=0, schedules=(window,))
+    window = WarmPoolSchedule(name="w", start="10 0 * * *", end="20 0 * * *", min_idle=2)
+    warm = WarmPoolSpec(mode="fixed", schedules=[window])
     trace = jobs((0, 5), (1800, 5))
-    r = run(trace, DeciderPolicy("w", "w", limits(0), warm, T0))
+    r = run(trace, DeciderPolicy("w", "w", scaling(0, warm), T0))
     assert r.waits == [11.0, 11.0]
     # made by the first pass at or after 600 s, deleted by the first at or after 1200 s; passes
     # are at most one resync (10 s) apart
     assert 2 * (1200 - 620) <= r.idle_seconds <= 2 * (1210 - 610)
-    slow = run(trace, DeciderPolicy("w", "w", limits(0, cooldown_seconds=900), warm, T0))
+    slow = run(trace, DeciderPolicy("w", "w", scaling(0, warm, cooldown_seconds=900), T0))
     # the surplus is kept until 900 s after the last scale-up
     assert 2 * (1500 - 620) <= slow.idle_seconds <= 2 * (1520 - 610)
 
@@ -203,8 +214,8 @@ def test_cooldown_keeps_surplus_until_it_elapsed() -> None:
 def test_adaptive_warms_up_from_demand() -> None:
     # 60 jobs, one every 2 s (30/min), each 100 s; boot 10 s: once the estimate has samples it
     # asks for ceil(rate * 10 s * safety) runners, so later jobs find warm runners
-    warm = WarmPoolPolicy(mode="adaptive", min_idle=0, max_idle=20, arrival_half_life_seconds=60)
-    policy = DeciderPolicy("adaptive", "adaptive", limits(0), warm, T0)
+    warm = WarmPoolSpec(mode="adaptive", max_idle=20, arrival_half_life_seconds=60)
+    policy = DeciderPolicy("adaptive", "adaptive", scaling(0, warm), T0)
     r = run(jobs(*[(2 * i, 100) for i in range(60)]), policy)
     cold = run(jobs(*[(2 * i, 100) for i in range(60)]), fixed(0))
     assert percentile(cold.waits, 50) == pytest.approx(11.0)

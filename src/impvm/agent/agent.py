@@ -71,11 +71,18 @@ from impvm.api.models import (
 )
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
 from impvm.api.times import utcnow
+from impvm.api.vm import VM
 from impvm.events import EventRecorder
 from impvm.vm_metrics import record_phase
 from impvm.watchcache import Key, WatchCache
 
 log = logging.getLogger("impvm.agent")
+
+
+def _parse_vm(raw: dict[str, Any]) -> VM:
+    """A VM of the watch: one whose status cannot be read is left out (logged by the cache),
+    never taken for a VM nobody started."""
+    return VM.from_body(raw, strict=True)
 
 
 @dataclass
@@ -148,18 +155,18 @@ class Agent:
         )
         self.events = EventRecorder(client, component="impvm-agent", host=config.node_name)
         node = config.node_name
-        self.mine: WatchCache[lc.VMRecord] = WatchCache(
+        self.mine: WatchCache[VM] = WatchCache(
             client,
             ImpVMResource,
-            lc.VMRecord.from_object,
+            _parse_vm,
             fields={"spec.nodeName": node},
             on_change=self._poke,
             name=f"impvms on {node}",
         )
-        self.unbound: WatchCache[lc.VMRecord] = WatchCache(
+        self.unbound: WatchCache[VM] = WatchCache(
             client,
             ImpVMResource,
-            lc.VMRecord.from_object,
+            _parse_vm,
             fields={"spec.nodeName": ""},
             on_change=self._poke,
             name="unbound impvms",
@@ -321,12 +328,12 @@ class Agent:
             if self._workers.get(key) is w:
                 del self._workers[key]
 
-    def _vm(self, key: Key) -> lc.VMRecord | None:
+    def _vm(self, key: Key) -> VM | None:
         """The VM from the caches: bound here wins over unbound (the two watches do not
         deliver in step while a claim moves a VM from one to the other)."""
         return self.mine.get(key) or self.unbound.get(key)
 
-    async def _step(self, key: Key) -> lc.AgentAction | None:
+    async def _step(self, key: Key) -> lc.VMSteps | None:
         """Observe one VM, decide, act. Returns the action, or None when a step failed (then
         the next decision comes after a tick). Claims are made one at a time."""
         vm = self._vm(key)
@@ -335,7 +342,7 @@ class Agent:
                 return await self._decide_and_act(key, self._vm(key))
         return await self._decide_and_act(key, vm)
 
-    async def _decide_and_act(self, key: Key, vm: lc.VMRecord | None) -> lc.AgentAction | None:
+    async def _decide_and_act(self, key: Key, vm: VM | None) -> lc.VMSteps | None:
         """Build the observation of one VM (caches, its class, the runtime, what this agent did),
         decide, and carry the action out; forget the VM's state when the action says so."""
         local = self._local.setdefault(key, _Local())
@@ -360,7 +367,7 @@ class Agent:
             preflight=self.preflight,
             policy=self.policy,
         )
-        action = lc.decide(obs)
+        action = lc.next_steps(obs)
         log.debug("vm %s/%s: %s %s", *key, action.why, [type(s).__name__ for s in action.steps])
         done = await self._execute(key, vm, req, action)
         if done and action.forget:
@@ -379,7 +386,7 @@ class Agent:
         whose class was deleted keeps the size it was given)."""
         sizes: list[Resources] = []
         for vm in self.mine.values():
-            if vm.key == exclude or not lc.holds_capacity(vm, self.config.node_name):
+            if vm.key == exclude or not vm.holds_capacity(self.config.node_name):
                 continue
             spec = self.classes.get(("", vm.class_name))
             local = self._local.get(vm.key)
@@ -390,7 +397,7 @@ class Agent:
         return total(sizes)
 
     async def _execute(
-        self, key: Key, vm: lc.VMRecord | None, req: VMRequest | None, action: lc.AgentAction
+        self, key: Key, vm: VM | None, req: VMRequest | None, action: lc.VMSteps
     ) -> bool:
         """Carry out the steps in order; False when one failed (the rest is left undone). An
         action runs to its end even when the agent is being stopped (its steps belong
@@ -409,7 +416,7 @@ class Agent:
             raise
 
     async def _run_steps(
-        self, key: Key, vm: lc.VMRecord | None, req: VMRequest | None, steps: tuple[lc.Step, ...]
+        self, key: Key, vm: VM | None, req: VMRequest | None, steps: tuple[lc.Step, ...]
     ) -> bool:
         """The steps in order; False at the first that failed or must stop the rest."""
         for step in steps:
@@ -422,9 +429,7 @@ class Agent:
                 return False
         return True
 
-    async def _do(
-        self, key: Key, vm: lc.VMRecord | None, req: VMRequest | None, step: lc.Step
-    ) -> bool:
+    async def _do(self, key: Key, vm: VM | None, req: VMRequest | None, step: lc.Step) -> bool:
         """One step. Returns False when the rest of the action must not run (a conflict: the
         VM changed, or another agent claimed it). Raises ``ApiError``."""
         local = self._local.setdefault(key, _Local())
@@ -459,7 +464,7 @@ class Agent:
         raise AssertionError(f"unknown step {step!r}")
 
     async def _runtime_step(
-        self, key: Key, vm: lc.VMRecord | None, req: VMRequest, local: _Local, step: lc.Step
+        self, key: Key, vm: VM | None, req: VMRequest, local: _Local, step: lc.Step
     ) -> bool:
         """A step the runtime carries out; what it learns goes into the VM's facts."""
         facts = local.facts
@@ -481,8 +486,8 @@ class Agent:
                 facts = replace(
                     facts, failure=(e.reason, str(e)), verification=verification(req, e)
                 )
-            except ImageError as e:
-                facts = replace(facts, failure=("ImagePullFailed", str(e)))
+            except ImageError as e:  # ImagePullFailed, or why the image was refused
+                facts = replace(facts, failure=(e.reason, str(e)))
         elif isinstance(step, lc.Start):
             assert vm is not None
             jit = await self._read_jitconfig(vm)
@@ -499,9 +504,7 @@ class Agent:
 
     # ------------------------------------------------------------------ API helpers
 
-    def _request(
-        self, vm: lc.VMRecord, spec: ImpVMClassSpec | None, size: Resources | None
-    ) -> VMRequest:
+    def _request(self, vm: VM, spec: ImpVMClassSpec | None, size: Resources | None) -> VMRequest:
         """The runtime request of a VM bound here, rebuilt at every decision from the class
         cache (its size and egress policy). Without its class only stop and cleanup use it
         (``decide`` starts no VM whose class is missing)."""
@@ -513,7 +516,7 @@ class Agent:
             vm,
             self.config.workdir / "vms" / vm.vm_id,
             disk_gib=spec.disk_gib if spec is not None else 1,
-            egress=egress_layers(spec.network if spec else None, vm.vm.spec.network),
+            egress=egress_layers(spec.network if spec else None, vm.spec.network),
         )
 
     @staticmethod
@@ -522,14 +525,14 @@ class Agent:
         namespace: str,
         name: str,
         size: Resources,
-        vm: lc.VMRecord | None,
+        vm: VM | None,
         workdir: Path,
         disk_gib: int = 1,
         egress: tuple[EgressLayer, ...] = (),
     ) -> VMRequest:
         """A runtime request; ``vm`` gives image and runner layer (none for a stale workdir);
         ``egress``: its network's policy layers (:func:`egress_layers`)."""
-        spec = vm.vm.spec if vm is not None else None
+        spec = vm.spec if vm is not None else None
         return VMRequest(
             vm_id=vm_id,
             name=name,
@@ -551,7 +554,7 @@ class Agent:
         (self.mine if node == self.config.node_name else self.unbound).written(raw)
 
     async def _patch_meta(
-        self, vm: lc.VMRecord, finalizers: list[str], extra: dict[str, Any] | None = None
+        self, vm: VM, finalizers: list[str], extra: dict[str, Any] | None = None
     ) -> bool:
         """Set the VM's finalizers (and ``extra``) if it still has the observed
         resourceVersion. False on a conflict or when the VM is gone or refuses the change."""
@@ -570,7 +573,7 @@ class Agent:
         self._written(got.to_dict())
         return True
 
-    async def _patch_status(self, vm: lc.VMRecord, status: dict[str, Any]) -> None:
+    async def _patch_status(self, vm: VM, status: dict[str, Any]) -> None:
         """Merge ``status`` into the VM's status subresource; the result goes into the cache."""
         got = await self.client.patch(
             ImpVMResource.Status,
@@ -581,16 +584,16 @@ class Agent:
         )
         self._written(got.to_dict())
         old = vm.phase
-        started = vm.vm.status.started_at if vm.vm.status else None
+        started = vm.status.started_at
         if status.get("phase") == "Running" and old != "Running" and started is not None:
             booted = (dt.datetime.now(dt.UTC) - started).total_seconds()
             metrics.VM_BOOT.labels(self.config.node_name).observe(max(0.0, booted))
         record_phase(self.config.node_name, str(old) if old else None, status.get("phase"))
 
-    async def _read_jitconfig(self, vm: lc.VMRecord) -> Secret | None:
+    async def _read_jitconfig(self, vm: VM) -> Secret | None:
         """The JIT config from the agent's :class:`JitSource`; None while it is not there
         (yet) or cannot be asked for (logged; the start is retried, then times out)."""
-        name = vm.vm.spec.runner_config_secret
+        name = vm.spec.runner_config_secret
         if not name:
             return None
         try:
@@ -599,7 +602,7 @@ class Agent:
             log.warning("JIT config of %s/%s: %s", vm.namespace, vm.name, e)
             return None
 
-    async def _event(self, vm: lc.VMRecord, step: lc.Emit) -> None:
+    async def _event(self, vm: VM, step: lc.Emit) -> None:
         """Record the step's Event about the VM (aggregated, never raising)."""
         await self.events.record(
             api_version=API_VERSION,

@@ -9,11 +9,16 @@ never by tag):
 * Pulling uses Debian's ``skopeo`` (``docker://REPO@DIGEST`` into a private OCI layout). Before
   the copy the raw manifest is fetched (``skopeo inspect --raw``) and its sha256 must equal the
   pinned digest; skopeo's copy by digest verifies the same again, so a registry cannot swap content.
-* Unpacking uses ``umoci unpack`` (``--rootless`` when not root): whiteouts, ownership, modes,
-  symlinks and device nodes are handled by umoci, never by our code. The runner layer image is
-  unpacked the same way into a second bundle and its rootfs is copied over the base with
-  ``cp -a`` so files of the layer win. Limitation: deletions (whiteouts) in the runner layer image
-  relative to the *base* image are not applied; the layer can add and replace files only.
+* Before the pull, the sizes the manifest declares (config and layers) must fit the cache's cap
+  (``max_bytes``), so an image too big for the node is refused without a byte fetched.
+* Assembly (:mod:`impvm.agent.layers`): the runner layer image's layers are stacked onto the base
+  image's in one OCI image, every layer is read once as a stream and judged before anything is
+  written (no entry, hard link or relative symlink leaving the root, no device node, the whole
+  image within the cache's cap: a decompression bomb stops at the cap having written nothing),
+  and ``umoci raw unpack`` (``--rootless`` when not root) writes the stacked image: umoci
+  resolves every path inside the root (``securejoin``) and replaces a lower layer's symlink
+  instead of writing through it, so no path of the image reaches the host. Whiteouts, ownership,
+  modes and symlinks are umoci's; the runner layer may also delete files of the base image.
 * Signatures (:mod:`impvm.agent.signing`): with ``public_key`` each pinned reference is checked
   by ``cosign verify`` right before skopeo copies that same digest, so an unsigned, wrongly
   signed or tampered image or runner layer is refused before a layer is fetched
@@ -44,6 +49,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import platform
 import re
 import shutil
 import stat
@@ -53,14 +59,31 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from impvm.agent.layers import (
+    ImageTooLarge,
+    check_layers,
+    declared_bytes,
+    layer_blobs,
+    platform_manifest,
+    stack_images,
+    tagged_manifest,
+)
 from impvm.agent.runtime import ImageError
 from impvm.agent.signing import TrustKey, Verifier
 from impvm.agent.tools import run_tool
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+# the distribution project's reference grammar (reference/regexp.go)
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_HOST_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_HOST = rf"(?:{_HOST_COMPONENT}(?:\.{_HOST_COMPONENT})*|\[[0-9a-fA-F:.]+\])(?::[0-9]+)?"
+_NAME_RE = re.compile(rf"^(?:{_HOST}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*$")
+_TAG_RE = re.compile(r"^\w[\w.-]{0,127}$")
 _POLICY = '{"default": [{"type": "insecureAcceptAnything"}]}\n'
 _INFO = "impvm.json"
 _DERIVED = "derived"
+#: OCI architecture names of the machines the agent runs on (``platform.machine()``)
+_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}
 
 
 class EvictedError(ImageError):
@@ -96,9 +119,12 @@ class ImageRef:
 def parse_reference(ref: str) -> ImageRef:
     """Parse ``[registry/]repo[:tag][@sha256:<64 hex>]``.
 
-    A reference with neither tag nor digest means tag ``latest`` (and is therefore unpinned).
-    Raises :class:`ImageError` for an empty or malformed reference or a malformed digest (only
-    ``sha256`` digests are accepted).
+    The name and tag must follow the grammar of the distribution project's image references
+    (``reference/reference.go``: lower-case path components, a host with an optional port, a
+    tag of word characters, dots and dashes): so a reference can never look like an option
+    (``-v``, ``--key=...``) to a tool it is handed to. A reference with neither tag nor digest
+    means tag ``latest`` (and is therefore unpinned). Raises :class:`ImageError` for an empty or
+    malformed reference or a malformed digest (only ``sha256`` digests are accepted).
     """
     ref = ref.strip()
     if not ref or any(c.isspace() for c in ref):
@@ -110,8 +136,11 @@ def parse_reference(ref: str) -> ImageRef:
     last = name.rsplit("/", 1)[-1]
     if ":" in last:
         name, _, tag = name.rpartition(":")
-    if not name:
-        raise ImageError(f"invalid image reference {ref!r}")
+    if not _NAME_RE.match(name) or (tag is not None and not _TAG_RE.match(tag)):
+        raise ImageError(
+            f"invalid image reference {ref!r} (want [host[:port]/]path[:tag][@sha256:<hex>], "
+            "path in lower case)"
+        )
     if not at and tag is None:
         tag = "latest"
     return ImageRef(name=name, tag=tag, digest=digest if at else None)
@@ -203,7 +232,8 @@ class ImageStore:
     """A node-local cache of prepared images.
 
     ``cache_dir``: owned by the agent (created 0700); ``max_bytes``: size cap in bytes of all
-    prepared entries (an entry bigger than the cap alone is still kept while it is the newest);
+    prepared entries; an image that alone unpacks to more is refused while it is read (an
+    artifact derived from an entry may still take it over the cap while it is the newest);
     ``insecure_registries``: ``host:port`` of registries reached over plain HTTP / without TLS
     verification; only loopback registries are accepted (``ValueError`` otherwise).
     ``cosign``: the cosign binary that verifies signatures (run only for a ``public_key``).
@@ -255,10 +285,12 @@ class ImageStore:
         (checked by cosign right before each pull; a cached entry counts only if it was verified
         against the same key and repositories). Raises :class:`ImageError` for a tag-only reference
         without ``allow_unpinned`` (naming the reference), an unknown manifest, a digest
-        mismatch, a registry/auth failure or an unpack failure, and its subclass
+        mismatch, a registry/auth failure or an unpack failure, and its subclasses
         :class:`~impvm.agent.signing.SignatureError` for a missing, foreign or tampered
-        signature. Marks the entry as most recently used and then evicts least-recently-used
-        entries above ``max_bytes``.
+        signature, :class:`~impvm.agent.layers.ImageRefused` for a layer entry that would
+        leave the root or is a device node, :class:`~impvm.agent.layers.ImageTooLarge` for an
+        image bigger than ``max_bytes``. Marks the entry as most recently used and then evicts
+        least-recently-used entries above ``max_bytes``.
         """
         trust = self._verifier.key_for(public_key, "image", image) if public_key else None
         img_digest = await self._resolve(image, allow_unpinned, auth_file)
@@ -394,21 +426,11 @@ class ImageStore:
     async def _run(self, what: str, *args: str) -> bytes:
         return await run_tool(what, *args, error=ImageError)
 
-    async def _resolve(self, image: str, allow_unpinned: bool, auth_file: Path | None) -> str:
-        """Return the verified manifest digest of ``image``.
-
-        Pinned: fetch the raw manifest by digest and check sha256(manifest) == digest. Unpinned:
-        refuse unless ``allow_unpinned``; otherwise fetch by tag and return sha256(manifest).
-        """
-        ref = parse_reference(image)
-        if ref.digest is None and not allow_unpinned:
-            raise ImageError(
-                f"image reference {image!r} is not pinned by digest; use "
-                f"{ref.name}@sha256:<digest> (images are pulled by digest, never by tag)"
-            )
-        target = ref.pinned if ref.digest else f"{ref.name}:{ref.tag}"
+    async def _inspect_raw(self, target: str, ref: ImageRef, auth_file: Path | None) -> bytes:
+        """The raw manifest of ``target`` (``REPO@DIGEST`` or ``REPO:TAG``) as the registry
+        serves it (``skopeo inspect --raw``)."""
         auth = ["--authfile", str(auth_file)] if auth_file else []
-        raw = await self._run(
+        return await self._run(
             f"fetching the manifest of {target}",
             "skopeo",
             "--policy",
@@ -419,24 +441,61 @@ class ImageStore:
             "2",
             *self._tls_args("tls-verify", ref),
             *auth,
+            "--",
             f"docker://{target}",
         )
+
+    async def _resolve(self, image: str, allow_unpinned: bool, auth_file: Path | None) -> str:
+        """Return the verified manifest digest of ``image``.
+
+        Pinned: fetch the raw manifest by digest and check sha256(manifest) == digest. Unpinned:
+        refuse unless ``allow_unpinned``; otherwise fetch by tag and return sha256(manifest).
+        Then the sizes the manifest declares (of this host's platform, for a multi-platform
+        image) must fit the cache's cap (:class:`~impvm.agent.layers.ImageTooLarge`).
+        """
+        ref = parse_reference(image)
+        if ref.digest is None and not allow_unpinned:
+            raise ImageError(
+                f"image reference {image!r} is not pinned by digest; use "
+                f"{ref.name}@sha256:<digest> (images are pulled by digest, never by tag)"
+            )
+        target = ref.pinned if ref.digest else f"{ref.name}:{ref.tag}"
+        raw = await self._inspect_raw(target, ref, auth_file)
         actual = "sha256:" + hashlib.sha256(raw).hexdigest()
         if ref.digest and actual != ref.digest:
             raise ImageError(
                 f"manifest digest mismatch for {image}: registry served {actual}, "
                 f"pinned {ref.digest}"
             )
+        await self._check_declared(raw, ref, image, auth_file)
         return actual
 
-    async def _copy_unpack(
-        self,
-        pinned: str,
-        layout: Path,
-        tag: str,
-        bundle: Path,
-        auth_file: Path | None,
+    async def _check_declared(
+        self, raw: bytes, ref: ImageRef, image: str, auth_file: Path | None
     ) -> None:
+        """Refuse ``image`` before its pull when its manifest (or, for a multi-platform image,
+        this platform's) declares more bytes than the cache may hold; skopeo then checks every
+        blob it copies against its declared size and digest."""
+        try:
+            manifest = json.loads(raw)
+            declared = declared_bytes(manifest)
+            if declared is None:
+                child = platform_manifest(manifest, arch=_ARCH.get(platform.machine(), ""))
+                if child is None:
+                    return  # skopeo's copy names the missing platform
+                declared = declared_bytes(
+                    json.loads(await self._inspect_raw(f"{ref.name}@{child}", ref, auth_file))
+                )
+        except (ValueError, TypeError, AttributeError):
+            return  # not a manifest we read: skopeo's copy refuses it
+        if declared is not None and declared > self.max_bytes:
+            raise ImageTooLarge(
+                f"{image} declares {declared} bytes of layers, more than the image cache's "
+                f"size cap of {self.max_bytes} bytes; refused before it was pulled"
+            )
+
+    async def _copy(self, pinned: str, layout: Path, tag: str, auth_file: Path | None) -> None:
+        """``skopeo copy`` the pinned image into ``layout`` as ``tag``."""
         ref = parse_reference(pinned)
         auth = ["--src-authfile", str(auth_file)] if auth_file else []
         await self._run(
@@ -450,18 +509,37 @@ class ImageStore:
             "2",
             *self._tls_args("src-tls-verify", ref),
             *auth,
+            "--",
             f"docker://{pinned}",
             f"oci:{layout}:{tag}",
         )
+
+    async def _unpack(self, layout: Path, images: list[tuple[str, str, str]], rootfs: Path) -> None:
+        """Stack the ``(tag, role, pinned)`` images of ``layout`` (base first) into one image,
+        check every layer of it (:func:`impvm.agent.layers.check_layers`, against the cache's
+        cap) and let ``umoci raw unpack`` write it to ``rootfs``. Raises
+        :class:`~impvm.agent.layers.ImageRefused` or :class:`~impvm.agent.layers.ImageTooLarge`
+        before anything is written, :class:`ImageError` when umoci fails."""
+        tag = images[0][0]
+        if len(images) > 1:
+            tag = "stacked"
+            await asyncio.to_thread(stack_images, layout, images[0][0], images[1][0], tag)
+        owners = []
+        for t, role, pinned in images:
+            count = len((await asyncio.to_thread(tagged_manifest, layout, t)).get("layers") or [])
+            owners.append((count, f"{role} {pinned}"))
+        blobs = await asyncio.to_thread(layer_blobs, layout, tag, owners)
+        await asyncio.to_thread(check_layers, blobs, self.max_bytes)
         rootless = ["--rootless"] if os.geteuid() != 0 else []
         await self._run(
-            f"unpacking {pinned}",
+            f"unpacking {' + '.join(p for _, _, p in images)}",
             "umoci",
+            "raw",
             "unpack",
             *rootless,
             "--image",
             f"{layout}:{tag}",
-            str(bundle),
+            str(rootfs),
         )
 
     async def _build(
@@ -485,19 +563,18 @@ class ImageStore:
                         await self._verifier.verify(
                             trust, role, pinned, insecure=insecure, auth_file=auth_file
                         )
-            await self._copy_unpack(image, layout, "image", bundle, auth_file)
+            images = [("image", "image", image)]
+            await self._copy(image, layout, "image", auth_file)
             if layer is not None:
-                layer_bundle = work / "layer"
-                await self._copy_unpack(layer, layout, "layer", layer_bundle, auth_file)
-                await self._run(
-                    f"applying runner layer {layer}",
-                    "cp",
-                    "-a",
-                    "--",
-                    f"{layer_bundle}/rootfs/.",
-                    f"{bundle}/rootfs/",
-                )
+                await self._copy(layer, layout, "layer", auth_file)
+                images.append(("layer", "runner layer", layer))
+            bundle.mkdir(mode=0o700)
+            await self._unpack(layout, images, bundle / "rootfs")
             size = await asyncio.to_thread(_tree_size, bundle / "rootfs")
+            if size > self.max_bytes:  # the check above counts conservatively; never reached
+                raise ImageTooLarge(
+                    f"{image} unpacked to {size} bytes, over the image cache's size cap"
+                )
             info = {
                 "image": image,
                 "image_digest": parse_reference(image).digest,

@@ -1,6 +1,6 @@
-"""The node agent's decisions about one VM, as one pure function: ``decide(VMObservation) ->
-AgentAction``. No I/O: the agent shell (:mod:`impvm.agent.agent`) observes (watch caches, the
-runtime, what it did itself), calls :func:`decide`, carries out the action's steps in order and
+"""The node agent's decisions about one VM, as one pure function: ``next_steps(VMObservation) ->
+VMSteps``. No I/O: the agent shell (:mod:`impvm.agent.agent`) observes (watch caches, the
+runtime, what it did itself), calls :func:`next_steps`, carries out the steps in order and
 decides again; a step that fails leaves the rest undone and the next decision starts from what is
 observed then (level-triggered, like a Kubernetes controller).
 
@@ -52,16 +52,11 @@ from typing import Any
 
 from impvm.agent.capacity import Resources, fits
 from impvm.agent.runtime import RuntimeState, Verification
+from impvm.api.conditions import set_condition
 from impvm.api.durations import resolve_expire_after
-from impvm.api.models import (
-    AGENT_FINALIZER,
-    TERMINAL_PHASES,
-    Condition,
-    ImpVM,
-    ImpVMStatus,
-    VMPhase,
-)
+from impvm.api.models import AGENT_FINALIZER, TERMINAL_PHASES, VMPhase
 from impvm.api.times import k8s_time
+from impvm.api.vm import VM
 
 #: Phases of a VM the runtime has not been asked to start.
 NOT_STARTED: frozenset[VMPhase | None] = frozenset({None, VMPhase.PENDING, VMPhase.SCHEDULED})
@@ -77,72 +72,6 @@ EVENT_CHARS = 500
 
 
 # ---------------------------------------------------------------------------------- what is seen
-
-
-@dataclass(frozen=True)
-class VMRecord:
-    """An ImpVM as the agent sees it: metadata it needs, the parsed spec and status."""
-
-    namespace: str
-    name: str
-    uid: str
-    resource_version: str
-    deleting: bool
-    finalizers: tuple[str, ...]
-    vm: ImpVM
-
-    @classmethod
-    def from_object(cls, raw: Mapping[str, Any]) -> VMRecord:
-        """Parse an ImpVM as the API server sends it. Raises pydantic's ``ValidationError``."""
-        meta = raw.get("metadata") or {}
-        return cls(
-            namespace=meta.get("namespace") or "",
-            name=meta.get("name") or "",
-            uid=meta.get("uid") or "",
-            resource_version=str(meta.get("resourceVersion") or ""),
-            deleting=bool(meta.get("deletionTimestamp")),
-            finalizers=tuple(meta.get("finalizers") or ()),
-            vm=ImpVM.model_validate(dict(raw)),
-        )
-
-    @property
-    def key(self) -> tuple[str, str]:
-        """``(namespace, name)``."""
-        return (self.namespace, self.name)
-
-    @property
-    def vm_id(self) -> str:
-        """The runtime's id of this VM: ``<namespace>.<name>.<uid[:8]>`` (unique per object)."""
-        return f"{self.namespace}.{self.name}.{self.uid[:8]}"
-
-    @property
-    def node_name(self) -> str | None:
-        """``spec.nodeName`` (None or ``""``: unbound)."""
-        return self.vm.spec.node_name
-
-    @property
-    def class_name(self) -> str:
-        """``spec.classRef.name``."""
-        return self.vm.spec.class_ref.name
-
-    @property
-    def status(self) -> ImpVMStatus:
-        """``status`` (empty when the object has none yet)."""
-        return self.vm.status or ImpVMStatus()
-
-    @property
-    def phase(self) -> VMPhase | None:
-        """``status.phase``."""
-        return self.status.phase
-
-    def condition(self, type_: str) -> Condition | None:
-        """The condition of ``type_``, if set."""
-        return next((c for c in self.status.conditions or () if c.type == type_), None)
-
-
-def holds_capacity(vm: VMRecord, node: str) -> bool:
-    """Whether ``vm`` counts against ``node``'s capacity: bound there and not yet released."""
-    return vm.node_name == node and AGENT_FINALIZER in vm.finalizers
 
 
 @dataclass(frozen=True)
@@ -191,7 +120,7 @@ class LocalFacts:
 
 @dataclass(frozen=True)
 class VMObservation:
-    """Everything :func:`decide` looks at for one VM.
+    """Everything :func:`next_steps` looks at for one VM.
 
     ``vm``: the VM (None when it is gone); ``size``: its class's vCPU/MiB (None when the class
     does not exist); ``runtime``: what the runtime reports (status ``missing`` when it knows
@@ -201,7 +130,7 @@ class VMObservation:
 
     node: str
     now: datetime
-    vm: VMRecord | None
+    vm: VM | None
     size: Resources | None
     runtime: RuntimeState
     capacity: Resources
@@ -326,7 +255,7 @@ class Why(StrEnum):
 
 
 @dataclass(frozen=True)
-class AgentAction:
+class VMSteps:
     """What to do for one VM: ``steps`` in order; then decide again after ``recheck_seconds``
     without an event (0: at once; None: only on an event), or, with ``forget``, drop every bit
     of state about the VM (a later event about it starts afresh)."""
@@ -344,7 +273,7 @@ class AgentAction:
 # ---------------------------------------------------------------------------------- the ladder
 
 
-def decide(obs: VMObservation) -> AgentAction:
+def next_steps(obs: VMObservation) -> VMSteps:
     """The next action for one VM (see the module docstring for the ladder)."""
     vm = obs.vm
     if vm is None:
@@ -352,19 +281,19 @@ def decide(obs: VMObservation) -> AgentAction:
     if not vm.node_name:
         return _unbound(obs, vm)
     if vm.node_name != obs.node:
-        return AgentAction(Why.OTHER_NODE, forget=True)
+        return VMSteps(Why.OTHER_NODE, forget=True)
     if vm.deleting:
         return _wind_down(obs, vm, Why.DELETING)
     if vm.phase in TERMINAL_PHASES:
         return _wind_down(obs, vm, Why.FINISHED)
     if AGENT_FINALIZER not in vm.finalizers:
-        return AgentAction(Why.ADOPT, (AddFinalizer(),), recheck_seconds=0)
+        return VMSteps(Why.ADOPT, (AddFinalizer(),), recheck_seconds=0)
     if vm.phase in NOT_STARTED:
         return _boot(obs, vm)
     return _started(obs, vm)
 
 
-def _gone(obs: VMObservation) -> AgentAction:
+def _gone(obs: VMObservation) -> VMSteps:
     """The VM no longer exists (its finalizer was removed by someone else, e.g. the operator
     after this node was thought lost): stop and clean up whatever still runs here."""
     rt = obs.runtime
@@ -373,19 +302,19 @@ def _gone(obs: VMObservation) -> AgentAction:
         steps.append(Stop(obs.policy.stop_grace_seconds))
     if rt.status != "missing" or (obs.local.prepared and not obs.local.cleaned):
         steps.append(Cleanup())
-    return AgentAction(Why.GONE, tuple(steps), forget=True)
+    return VMSteps(Why.GONE, tuple(steps), forget=True)
 
 
-def _unbound(obs: VMObservation, vm: VMRecord) -> AgentAction:
+def _unbound(obs: VMObservation, vm: VM) -> VMSteps:
     """Not bound to any node: refuse (missing class), wait (preflight, capacity) or claim."""
     if vm.deleting or vm.phase in TERMINAL_PHASES:
-        return AgentAction(Why.NOT_CLAIMABLE, forget=True)
+        return VMSteps(Why.NOT_CLAIMABLE, forget=True)
     if obs.size is None:
         return _refuse_class(obs, vm, "scheduled")
     if not obs.preflight.ok:
-        return AgentAction(Why.PREFLIGHT_FAILED, forget=True)
+        return VMSteps(Why.PREFLIGHT_FAILED, forget=True)
     if not fits(obs.capacity, obs.used, obs.size):
-        return AgentAction(Why.NO_CAPACITY, forget=True)
+        return VMSteps(Why.NO_CAPACITY, forget=True)
     status: dict[str, Any] = {
         "phase": VMPhase.SCHEDULED,
         "nodeName": obs.node,
@@ -397,26 +326,26 @@ def _unbound(obs: VMObservation, vm: VMRecord) -> AgentAction:
         PatchStatus(status),
         Emit("Scheduled", f"bound to node {obs.node}"),
     )
-    return AgentAction(Why.CLAIM, steps, recheck_seconds=0)
+    return VMSteps(Why.CLAIM, steps, recheck_seconds=0)
 
 
-def _refuse_class(obs: VMObservation, vm: VMRecord, what: str) -> AgentAction:
+def _refuse_class(obs: VMObservation, vm: VM, what: str) -> VMSteps:
     """A VM whose class does not exist has no size: it is neither claimed nor booted. The
     condition (and one Event) says which class is missing; when it appears, the class's watch
     brings the VM back."""
     current = vm.condition(CLASS_MISSING)
     if current is not None and current.status == "True" and current.reason == "NotFound":
-        return AgentAction(Why.CLASS_MISSING, forget=True)
+        return VMSteps(Why.CLASS_MISSING, forget=True)
     message = f"ImpVMClass {vm.class_name!r} not found; the VM is not {what} until it exists"
     conditions = _set_condition(vm, CLASS_MISSING, True, "NotFound", message, obs.now)
     steps: tuple[Step, ...] = (
         PatchStatus({"conditions": conditions}),
         Emit("ClassNotFound", message, warning=True),
     )
-    return AgentAction(Why.CLASS_MISSING, steps, forget=True)
+    return VMSteps(Why.CLASS_MISSING, steps, forget=True)
 
 
-def _class_found(obs: VMObservation, vm: VMRecord) -> dict[str, Any]:
+def _class_found(obs: VMObservation, vm: VM) -> dict[str, Any]:
     """Status fields that clear a ``ClassMissing`` condition once the class exists."""
     current = vm.condition(CLASS_MISSING)
     if current is None or current.status != "True":
@@ -426,7 +355,7 @@ def _class_found(obs: VMObservation, vm: VMRecord) -> dict[str, Any]:
 
 
 def _verified(
-    obs: VMObservation, vm: VMRecord, conditions: list[dict[str, Any]] | None
+    obs: VMObservation, vm: VM, conditions: list[dict[str, Any]] | None
 ) -> dict[str, Any]:
     """Status fields setting the ``ImageVerified`` condition from the signature check this
     agent made (on top of ``conditions`` when this decision already changes others); ``{}``
@@ -449,7 +378,7 @@ def _verified(
     }
 
 
-def _wind_down(obs: VMObservation, vm: VMRecord, why: Why) -> AgentAction:
+def _wind_down(obs: VMObservation, vm: VM, why: Why) -> VMSteps:
     """Deleted or finished: stop, clean up, then (a later decision, once the runtime reports
     the VM stopped and this agent cleaned it up) release the finalizer."""
     rt = obs.runtime
@@ -460,14 +389,14 @@ def _wind_down(obs: VMObservation, vm: VMRecord, why: Why) -> AgentAction:
         steps.append(Stop(obs.policy.stop_grace_seconds))
     if rt.active or not obs.local.cleaned:
         steps.append(Cleanup())
-        return AgentAction(why, tuple(steps), recheck_seconds=0)
+        return VMSteps(why, tuple(steps), recheck_seconds=0)
     if AGENT_FINALIZER in vm.finalizers:
         steps.append(Release())
-        return AgentAction(Why.RELEASE, tuple(steps), forget=True)
-    return AgentAction(why, tuple(steps), forget=True)
+        return VMSteps(Why.RELEASE, tuple(steps), forget=True)
+    return VMSteps(why, tuple(steps), forget=True)
 
 
-def _boot(obs: VMObservation, vm: VMRecord) -> AgentAction:
+def _boot(obs: VMObservation, vm: VM) -> VMSteps:
     """Bound here, not started: report Scheduled, prepare, wait for the JIT config, start."""
     rt = obs.runtime
     if rt.status != "missing":  # started by this agent; the report did not land yet
@@ -476,7 +405,7 @@ def _boot(obs: VMObservation, vm: VMRecord) -> AgentAction:
             PatchStatus({"phase": VMPhase.STARTING, "startedAt": k8s_time(started)}),
             Emit("Started", f"runtime {obs.policy.runtime_name} started the VM"),
         )
-        return AgentAction(Why.REPORT_STARTED, steps_started, recheck_seconds=0)
+        return VMSteps(Why.REPORT_STARTED, steps_started, recheck_seconds=0)
     if obs.size is None:
         return _refuse_class(obs, vm, "booted")
     steps: list[Step] = []
@@ -495,18 +424,18 @@ def _boot(obs: VMObservation, vm: VMRecord) -> AgentAction:
         reason, message = local.failure
         return _fail(obs, Why.START_FAILED, reason, message, stop=False, before=steps)
     if not local.prepared:
-        return AgentAction(Why.PREPARE, (*steps, Prepare()), recheck_seconds=0)
-    if not vm.vm.spec.runner_config_secret:  # the operator attaches it once minted
-        return AgentAction(Why.WAIT_JIT, tuple(steps))
+        return VMSteps(Why.PREPARE, (*steps, Prepare()), recheck_seconds=0)
+    if not vm.spec.runner_config_secret:  # the operator attaches it once minted
+        return VMSteps(Why.WAIT_JIT, tuple(steps))
     if local.jit_missing_at is not None:
         waited = (obs.now - local.jit_missing_at).total_seconds()
         if waited < obs.policy.jit_retry_seconds:
             left = obs.policy.jit_retry_seconds - waited
-            return AgentAction(Why.WAIT_JIT, tuple(steps), recheck_seconds=left)
-    return AgentAction(Why.START, (*steps, Start()), recheck_seconds=0)
+            return VMSteps(Why.WAIT_JIT, tuple(steps), recheck_seconds=left)
+    return VMSteps(Why.START, (*steps, Start()), recheck_seconds=0)
 
 
-def _started(obs: VMObservation, vm: VMRecord) -> AgentAction:
+def _started(obs: VMObservation, vm: VM) -> VMSteps:
     """Started: follow the runtime until the runner exits, the deadline passes, the start
     times out or the runtime loses the VM."""
     rt = obs.runtime
@@ -518,24 +447,25 @@ def _started(obs: VMObservation, vm: VMRecord) -> AgentAction:
         return _finish(obs, rt)
     started = vm.status.started_at or rt.started_at
     running_for = (obs.now - started).total_seconds() if started else 0.0
-    expire = resolve_expire_after(vm.vm.spec.expire_after)
+    expire = resolve_expire_after(vm.spec.expire_after)
     if expire and started and running_for >= expire:
-        message = f"expireAfter {vm.vm.spec.expire_after} passed"
+        message = f"expireAfter {vm.spec.expire_after} passed"
         return _fail(obs, Why.DEADLINE, "DeadlineExceeded", message, stop=True)
     tick = obs.policy.tick_seconds
     if rt.status == "running":
         if vm.phase != VMPhase.RUNNING:
             booted = {"phase": VMPhase.RUNNING, "timings": {"bootedAt": k8s_time(obs.now)}}
-            return AgentAction(Why.REPORT_RUNNING, (PatchStatus(booted),), tick)
-        return AgentAction(Why.RUNNING, recheck_seconds=tick)
+            return VMSteps(Why.REPORT_RUNNING, (PatchStatus(booted),), tick)
+        return VMSteps(Why.RUNNING, recheck_seconds=tick)
     if started and running_for >= obs.policy.start_timeout_seconds:
         return _fail(obs, Why.START_TIMEOUT, "StartTimeout", rt.log_tail, stop=True)
-    return AgentAction(Why.STARTING, recheck_seconds=tick)
+    return VMSteps(Why.STARTING, recheck_seconds=tick)
 
 
-def _finish(obs: VMObservation, rt: RuntimeState) -> AgentAction:
+def _finish(obs: VMObservation, rt: RuntimeState) -> VMSteps:
     """The runner exited: report it (Succeeded on 0, else Failed with the console tail) and
-    clean up."""
+    clean up. The code is the VM's word (a job can choose it): it is shown and decides only
+    which of the two is reported."""
     code = rt.exit_code if rt.exit_code is not None else -1
     status: dict[str, Any] = {
         "phase": VMPhase.SUCCEEDED if code == 0 else VMPhase.FAILED,
@@ -545,7 +475,10 @@ def _finish(obs: VMObservation, rt: RuntimeState) -> AgentAction:
         "timings": {"finishedAt": k8s_time(rt.finished_at or obs.now)},
     }
     if code == 0:
-        steps: tuple[Step, ...] = (PatchStatus(status), Emit("Succeeded", "runner exited 0"))
+        steps: tuple[Step, ...] = (
+            PatchStatus(status),
+            Emit("Succeeded", "runner exited 0 (as its VM reported)"),
+        )
     else:
         status["message"] = rt.log_tail[-MESSAGE_CHARS:]
         keep, extra = _keep_console(obs, rt.log_tail)
@@ -553,10 +486,10 @@ def _finish(obs: VMObservation, rt: RuntimeState) -> AgentAction:
         steps = (
             *keep,
             PatchStatus(status),
-            Emit("Failed", f"runner exited {code}", warning=True),
+            Emit("Failed", f"runner exited {code} (as its VM reported)", warning=True),
             *_console_event(obs, extra),
         )
-    return AgentAction(Why.EXITED, (*steps, Cleanup()), recheck_seconds=0)
+    return VMSteps(Why.EXITED, (*steps, Cleanup()), recheck_seconds=0)
 
 
 def console_tail(text: str) -> str:
@@ -597,7 +530,7 @@ def _fail(
     *,
     stop: bool = False,
     before: Sequence[Step] = (),
-) -> AgentAction:
+) -> VMSteps:
     """Fail the VM with ``reason`` (its ``exitReason``) and ``message``: stop it first when it
     may still run, report, tell, clean up."""
     steps: list[Step] = list(before)
@@ -619,11 +552,11 @@ def _fail(
         *_console_event(obs, extra),
         Cleanup(),
     ]
-    return AgentAction(why, tuple(steps), recheck_seconds=0)
+    return VMSteps(why, tuple(steps), recheck_seconds=0)
 
 
 def _set_condition(
-    vm: VMRecord,
+    vm: VM,
     type_: str,
     status: bool,
     reason: str,
@@ -632,22 +565,11 @@ def _set_condition(
     conditions: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The VM's conditions (wire form, sorted by type; ``conditions``: instead of the VM's, when
-    this decision already changed them) with ``type_`` set; its lastTransitionTime moves only
-    when its status flips (Kubernetes API conventions)."""
-    value = "True" if status else "False"
+    this decision already changed them) with ``type_`` set (:func:`impvm.api.conditions.
+    set_condition`: its lastTransitionTime moves only when its status flips)."""
     if conditions is None:
         conditions = [
             c.model_dump(by_alias=True, exclude_none=True, mode="json")
             for c in vm.status.conditions or ()
         ]
-    out = {c["type"]: dict(c) for c in conditions}
-    old = out.get(type_)
-    since = old["lastTransitionTime"] if old and old.get("status") == value else k8s_time(now)
-    out[type_] = {
-        "type": type_,
-        "status": value,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": since,
-    }
-    return [out[k] for k in sorted(out)]
+    return set_condition(conditions, type_, status, reason, message, now)

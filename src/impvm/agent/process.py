@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -62,6 +63,8 @@ from impvm.agent.network.node import GuestNetwork, NodeNetwork
 from impvm.agent.runtime import ImageError, Secret, VMRequest, VMRuntimeError
 from impvm.agent.runtime_base import CONSOLE_LOG, LaunchedVM, RuntimeBase, guest_hostname
 
+log = logging.getLogger("impvm.agent.process")
+
 RUNNER = "/usr/local/bin/runner"
 WORK_DIR = PurePosixPath("/home/runner/_work")
 TMP_DIR = PurePosixPath("/tmp")  # noqa: S108 - a path inside the sandbox
@@ -73,13 +76,22 @@ def host_python_binds(python: str | None = None) -> list[Path]:
     """Host paths to bind read-only so ``python`` (default: ``sys.executable``) and the ``impvm``
     package it imports run inside a sandbox whose image has no Python (e.g. the busybox test base).
 
-    Returns existing paths: the interpreter's prefixes, the importable ``sys.path`` directories,
-    and the dynamic loader / C library directories (``/lib64``, ``/lib``, ``/usr/lib64``,
-    ``/usr/lib/<multiarch>``; symlinks such as merged-usr ``/lib -> usr/lib`` are reproduced).
+    Returns existing paths, and only what that needs: the interpreter's installation
+    (``sys.base_prefix``, the real executable's prefix), its environment (``sys.prefix``: a
+    virtual environment with the installed packages), the ``impvm`` package's own directory when
+    it lives elsewhere (an editable install), and the dynamic loader / C library directories
+    (``/lib64``, ``/lib``, ``/usr/lib64``, ``/usr/lib/<multiarch>``; symlinks such as merged-usr
+    ``/lib -> usr/lib`` are reproduced). Never the working directory, a script's own directory
+    or any other ``sys.path`` entry: whatever sits there (an App key beside the script that
+    started the stack) would be shared with every guest.
     """
+    import impvm
+
     exe = Path(python or sys.executable)
     dirs = [Path(sys.prefix), Path(sys.base_prefix), exe.resolve().parent.parent]
-    dirs += [Path(p) for p in sys.path if p and Path(p).is_dir()]
+    package = Path(impvm.__file__).resolve().parent
+    if not any(package.is_relative_to(os.path.realpath(d)) for d in dirs):
+        dirs.append(package)
     multiarch = sysconfig.get_config_var("MULTIARCH") or "x86_64-linux-gnu"
     libs = [Path("/lib64"), Path("/lib"), Path("/usr/lib64"), Path(f"/usr/lib/{multiarch}")]
     links: list[Path] = [p for p in libs if p.is_symlink()]
@@ -104,6 +116,12 @@ def _root_args(
     ``mounts``: destinations that something else mounts (they are skipped here, their ancestors
     are created as directories and their siblings bound one by one). ``symlinks``: host symlinks
     to reproduce where the image has nothing at that path.
+
+    bwrap creates a mount point by walking its path in the new root, following symlinks, before
+    the host's root is detached (it is ``/oldroot`` then): an image symlink on the way (``home ->
+    /oldroot/etc``) would have it create directories and files on the host. So an ancestor of a
+    mount point is always a directory of bwrap's own tmpfs, whatever the image has there (its
+    symlink or file is not reproduced), and bwrap never resolves a mount point through the image.
     """
     split = {a for m in [*mounts, *symlinks] for a in _ancestors(m)}
     args: list[str] = []
@@ -118,9 +136,9 @@ def _root_args(
             src = host / name
             if dest in mounts:
                 continue
-            if dest in split and src.is_dir() and not src.is_symlink():
+            if dest in split:
                 args.extend(["--dir", str(dest)])
-                walk(dest)
+                walk(dest)  # only a real directory of the image has entries to bind
             elif src.is_symlink():
                 args.extend(["--symlink", os.readlink(src), str(dest)])
             else:
@@ -361,6 +379,20 @@ class ProcessRuntime(RuntimeBase[_SandboxVM]):
         if vm.child_pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(vm.child_pid, signal.SIGKILL)
+
+    async def stop(self, req: VMRequest, grace_seconds: float = 10.0) -> None:
+        """:meth:`RuntimeBase.stop`, then wait (at most 10 s) until no process of the sandbox
+        is left: the kernel kills what is left of a pid namespace once its init died, but not
+        at once, and until then they hold the JIT config in their environment."""
+        await super().stop(req, grace_seconds)
+        vm = self._vms.get(req.vm_id)
+        if vm is None:
+            return
+        for _ in range(200):
+            if not await asyncio.to_thread(self._namespace_pids, vm):
+                return
+            await asyncio.sleep(0.05)
+        log.warning("vm %s: processes of its sandbox outlived it", req.vm_id)
 
 
 __all__ = ["ImageError", "ProcessRuntime", "host_python_binds"]

@@ -19,23 +19,37 @@ Host shares (``extra_ro_binds``, development only): 9p exports with ``readonly=o
 same path in the guest (a host symlink is reproduced as a symlink), like the process runtime's
 binds; the development stack uses them to run the host's Python inside the busybox test image.
 
-JIT config (the runner image contract): written into a pipe whose read end QEMU gets as fw_cfg file
-``opt/imp/jit`` (``file=/dev/fd/N``); QEMU reads it at start-up. It is never in a file, never on
-a command line, never in a log; the guest init reads it once from
-``/sys/firmware/qemu_fw_cfg/by_name/opt/imp/jit/raw``, unloads the fw_cfg driver and hands it to
-``/usr/local/bin/runner`` as ``IMP_GITHUB_JITCONFIG`` only. The non-secret per-VM guest config
-(host name, VM id, shares) goes the same way as ``opt/imp/config``.
+Privileges: the agent opens every file, socket and device a VM needs - the kernel and
+initramfs (handed over as ``/proc/self/fd/N``), the image and scratch disks, console and status
+files (``-add-fd`` fd sets), the control socket, the config channel, the tap device and shared
+directories - and QEMU starts as a uid and gid of its own (:data:`QEMU_UIDS`, one no other
+process has, so one VM's QEMU cannot signal, trace or read another's; through ``setpriv``: no
+supplementary group but ``/dev/kvm``'s under KVM, no capability, no new privileges) inside its
+seccomp sandbox (:data:`SANDBOX`: obsolete system calls, set*id, fork/exec and resource control
+refused). QEMU 7.2 installs the sandbox before ``-runas`` would drop root, so ``-runas`` with
+``elevateprivileges=deny`` dies of SIGSYS: QEMU is started unprivileged instead. An agent that
+is not root runs QEMU as its own user.
+
+JIT config (the runner image contract): delivered once over the config channel, a
+virtio-serial port whose host side is one end of a socket pair only the agent holds
+(:mod:`impvm.agent.guest_io`), with the non-secret per-VM config (host name, VM id, network,
+shares); the guest init reads it, answers, closes the port, and the agent then closes its end,
+so nothing in the running VM can read it again. It is never in a file, never on a command line,
+never in a log, and not in fw_cfg (which still answers on its I/O ports: it holds only the
+kernel, initramfs and command line); the init hands it to ``/usr/local/bin/runner`` as
+``IMP_GITHUB_JITCONFIG`` only.
 
 Console and status: ttyS0 (kernel + init + runner output) → ``<workdir>/console.log`` (0600;
 :meth:`inspect` returns its tail with the JIT config replaced by ``***``). ttyS1 →
 ``<workdir>/status.log``: ``IMPVM-STATUS runner-start`` then ``IMPVM-STATUS exit <code>``, written
-only by the guest init (not the runner's console), which gives ``running`` and the exit code.
+by the guest init, read as it grows and kept small (:class:`~impvm.agent.guest_io.StatusLog`):
+they give ``running`` and the exit code, both as the guest reported them.
 ttyS2 ← the unix socket ``<workdir>/control.sock``: :meth:`stop` writes ``stop`` there, the init
 sends SIGTERM to every guest process and powers off when the runner ended.
 
 Network: with a node network (:class:`impvm.agent.network.node.NodeNetwork`, the default of
 ``impvm agent``) each VM gets its own tap device (``-netdev tap``), NAT to the node's uplink and
-its egress policy; the guest's address, gateway and resolvers arrive in ``opt/imp/config``
+its egress policy; the guest's address, gateway and resolvers arrive on the config channel
 (``net`` and ``dns`` lines). Without one (``--guest-network unisolated``, development only) QEMU
 user-mode networking (slirp): guest 10.0.2.15/24, gateway 10.0.2.2 = the host's loopback, DNS
 10.0.2.3 - no isolation at all, the guest reaches every host loopback service.
@@ -50,8 +64,8 @@ subprocess is killed when the agent's event loop closes on a graceful exit); und
 agent's unit leaves it alone. Everything a new agent process needs is in the VM's private workdir:
 the console and status files, the control socket, and ``qemu.json`` (written at launch: QEMU's
 :class:`~impvm.agent.survivor.ProcessIdentity` - pid, boot id, start time, so a reused pid is
-never taken for the VM - its image's cache key and its start time). The JIT config pipe was
-consumed at boot and is never needed again. A new agent's :meth:`inspect` of a VM it does not
+never taken for the VM - its image's cache key and its start time). The config channel was
+used up at boot and is never needed again. A new agent's :meth:`inspect` of a VM it does not
 know re-attaches it (:meth:`_adopt`): a running QEMU is watched through a pidfd and stopped through
 its control socket as before; one that ended while no agent ran is reported with the exit code
 its guest wrote to the status port (-1 when there is none). ``cleanup`` kills a QEMU still
@@ -68,16 +82,18 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
+import socket
+import struct
 import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from impvm.agent.guest_io import CONFIG_PORT, StatusLog, config_message, hand_over
 from impvm.agent.images import EvictedError, ImageStore, PreparedImage
 from impvm.agent.network.node import GuestNetwork, NodeNetwork
 from impvm.agent.qemu_accel import (
@@ -106,10 +122,13 @@ log = logging.getLogger("impvm.agent.qemu")
 _STATUS = "status.log"
 _CONTROL = "control.sock"
 _SCRATCH = "scratch.ext4"
-_PIDFILE = "qemu.pid"
 _DISK = "root.ext4"
-_EXIT_RE = re.compile(rb"IMPVM-STATUS exit (-?\d+)")
-_MAX_JIT_BYTES = 1 << 20
+#: QEMU's seccomp filter (qemu-options "-sandbox"): obsolete system calls, set*uid/gid,
+#: fork/exec and scheduler/resource changes refused
+SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+#: The uids (each also a gid) QEMU processes run as, one per running VM, when the agent is root:
+#: no passwd entry, no file owned; far above the ranges login users and subordinate ids take
+QEMU_UIDS = range(3_000_000_000, 3_000_000_000 + 65536)
 #: The launch record a new agent process re-attaches the VM from.
 _RECORD = "qemu.json"
 #: The systemd slice VMs run in when the agent runs under systemd.
@@ -200,7 +219,7 @@ def scope_prefix(vm_id: str) -> list[str]:
     ]
 
 
-class QemuRuntime(RuntimeBase[LaunchedVM]):
+class QemuRuntime(RuntimeBase["_QemuVM"]):
     """:class:`impvm.agent.runtime.Runtime` booting each VM in QEMU (see module docstring).
 
     ``store``: the image cache (it also keeps the image disks); ``kernel``: the guest kernel
@@ -213,7 +232,9 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
     ``auth_file``: registry auth for pulls; ``qemu``: the QEMU executable; ``tail_lines``: lines in
     :attr:`RuntimeState.log_tail`; ``network``: the node's guest networks (``None``: user-mode
     networking, no isolation); ``systemd_scope``: start each VM in a systemd scope of its own
-    (None: when :func:`systemd_scope_available`).
+    (None: when :func:`systemd_scope_available`); ``qemu_uids``: the uids QEMU processes run as,
+    one per running VM (:data:`QEMU_UIDS`; ``None``, or an agent that is not root: the agent's
+    own user).
     """
 
     name = "qemu"
@@ -234,8 +255,11 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
         network: NodeNetwork | None = None,
         systemd_scope: bool | None = None,
         boot_args: Sequence[str] = FAST_BOOT_ARGS,
+        qemu_uids: range | None = QEMU_UIDS,
     ) -> None:
         super().__init__(store, auth_file=auth_file, tail_lines=tail_lines, network=network)
+        self.qemu_uids = qemu_uids if os.geteuid() == 0 else None
+        self._uid_lock = asyncio.Lock()
         self.boot_args = tuple(boot_args)
         self.systemd_scope = systemd_scope_available() if systemd_scope is None else systemd_scope
         self.kernel = kernel
@@ -296,10 +320,11 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
                 shares.append((f"h{len(shares)}", p))
         return shares, links
 
-    def _guest_config(self, req: VMRequest, net: GuestNetwork | None = None) -> bytes:
-        """The non-secret per-VM guest config (fw_cfg ``opt/imp/config``): host name, VM id,
-        its network (``net`` address/prefix gateway, ``dns`` resolvers), shares, links. Raises
-        :class:`VMRuntimeError` for a path the guest cannot take."""
+    def _guest_config(self, req: VMRequest, net: GuestNetwork | None = None) -> list[str]:
+        """The non-secret per-VM guest config (the config channel's lines before the JIT
+        config): host name, VM id, its network (``net`` address/prefix gateway, ``dns``
+        resolvers), shares, links. Raises :class:`VMRuntimeError` for a path the guest cannot
+        take."""
         shares, links = self._shares()
         lines = [f"hostname {guest_hostname(req)}", f"vmid {req.vm_id}"]
         if net is not None:
@@ -310,23 +335,14 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
         for path in [*(str(p) for _, p in shares), *links, *links.values()]:
             if any(c.isspace() for c in path):
                 raise VMRuntimeError(f"cannot share {path!r} with the guest (white space)")
-        return "".join(f"{ln}\n" for ln in lines).encode()
+        return lines
 
-    def _qemu_args(
-        self,
-        req: VMRequest,
-        disk: Path,
-        jit_fd: int,
-        cfg_fd: int,
-        net: GuestNetwork | None = None,
-    ) -> list[str]:
-        """QEMU's command line for one VM: machine, kernel, serial ports, disks, network (the
-        tap device of ``net``; user-mode without one), fw_cfg files (read from the pipes
-        ``jit_fd`` and ``cfg_fd``), shares."""
-        wd = req.workdir
-        shares, _ = self._shares()
+    def _qemu_args(self, req: VMRequest, files: QemuFiles, net: GuestNetwork | None) -> list[str]:
+        """QEMU's command line for one VM: machine, the seccomp sandbox, kernel, serial ports,
+        disks, network (the tap device of ``net``; user-mode without one), the config channel,
+        shares; every file and socket is one ``files`` hands over (QEMU opens nothing itself)."""
         machine = self.accel.machine
-        if machine == "microvm" and len(shares) + 3 > _MICROVM_TRANSPORTS:
+        if machine == "microvm" and len(files.shares) + 4 > _MICROVM_TRANSPORTS:
             machine = "q35"
         sfx = "device" if machine == "microvm" else "pci"
         append = " ".join(
@@ -343,46 +359,50 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             "-name",
             f"impvm:{req.vm_id}",
             *machine_args(self.accel.accel, machine, req.vcpu, req.memory_mib),
-            "-pidfile",
-            str(wd / _PIDFILE),
+            "-sandbox",
+            SANDBOX,
+            *files.add_fd,
             "-kernel",
-            str(self.kernel.boot_image),
+            files.kernel,
             "-initrd",
-            str(self.initramfs),
+            files.initrd,
             "-append",
             append,
             # appended, so the agent can compact a long console in place (runtime_base)
             "-chardev",
-            f"file,id=console,path={wd / CONSOLE_LOG},append=on",
+            f"file,id=console,path={files.console},append=on",
             "-serial",
             "chardev:console",
             # ttyS1/ttyS2 as explicit ISA UARTs: microvm creates only ttyS0 from -serial
             "-chardev",
-            f"file,id=status,path={wd / _STATUS}",
+            f"file,id=status,path={files.status},append=on",
             "-device",
             "isa-serial,chardev=status,index=1",
             "-chardev",
-            f"socket,id=ctl,path={_control_path(wd)},server=on,wait=off",
+            f"socket,id=ctl,fd={files.control_fd},server=on,wait=off",
             "-device",
             "isa-serial,chardev=ctl,index=2",
             "-drive",
-            f"file={disk},if=none,id=root,format=raw,readonly=on",
+            f"file={files.disk},if=none,id=root,format=raw,readonly=on",
             "-device",
             f"virtio-blk-{sfx},drive=root,serial=imp-root",
             "-drive",
-            f"file={wd / _SCRATCH},if=none,id=scratch,format=raw,discard=unmap",
+            f"file={files.scratch},if=none,id=scratch,format=raw,discard=unmap",
             "-device",
             f"virtio-blk-{sfx},drive=scratch,serial=imp-scratch",
             "-netdev",
-            f"tap,id=net0,ifname={net.ifname},script=no,downscript=no" if net else "user,id=net0",
+            f"tap,id=net0,fd={files.tap_fd}" if files.tap_fd is not None else "user,id=net0",
             "-device",
             f"virtio-net-{sfx},netdev=net0" + (",romfile=" if sfx == "pci" else ""),
-            "-fw_cfg",
-            f"name=opt/imp/config,file=/dev/fd/{cfg_fd}",
-            "-fw_cfg",
-            f"name=opt/imp/jit,file=/dev/fd/{jit_fd}",
+            # the config channel: one end of a socket pair, no path (guest_io)
+            "-device",
+            f"virtio-serial-{sfx}",
+            "-chardev",
+            f"socket,id=cfg,fd={files.config_fd}",
+            "-device",
+            f"virtserialport,chardev=cfg,name={CONFIG_PORT}",
         ]
-        for tag, path in shares:
+        for tag, path in files.shares:
             args += [
                 "-fsdev",
                 f"local,id=fs{tag},path={path},security_model=none,readonly=on,multidevs=remap",
@@ -391,17 +411,71 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             ]
         return args
 
+    def _open_files(
+        self, req: VMRequest, disk: Path, net: GuestNetwork | None, held: _Held, config_fd: int
+    ) -> QemuFiles:
+        """Open everything QEMU of ``req`` uses (``held`` collects the descriptors to hand over
+        and close): the kernel, initramfs, image and scratch disks, console and status files,
+        the control socket (bound here, in the VM's private workdir), the tap device and the
+        shared directories; ``config_fd`` is QEMU's end of the config channel. Raises
+        OSError."""
+        wd = req.workdir
+        ctl = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        control_fd = held.socket(ctl)
+        ctl.bind(str(_control_path(wd)))
+        ctl.listen(4)
+        scratch = wd / _SCRATCH
+        files = QemuFiles(
+            kernel=held.reopen(self.kernel.boot_image),
+            initrd=held.reopen(self.initramfs),
+            disk=held.fdset(held.open(disk, os.O_RDONLY)),
+            scratch=held.fdset(held.open(scratch, os.O_RDWR), held.open(scratch, os.O_RDONLY)),
+            console=held.fdset(held.open(wd / CONSOLE_LOG, os.O_WRONLY | os.O_APPEND)),
+            status=held.fdset(held.open(wd / _STATUS, os.O_WRONLY | os.O_APPEND)),
+            control_fd=control_fd,
+            config_fd=config_fd,
+            tap_fd=held.own(_open_tap(net.ifname)) if net is not None else None,
+            shares=tuple(
+                (tag, held.reopen(path, os.O_RDONLY | os.O_DIRECTORY))
+                for tag, path in self._shares()[0]
+            ),
+            add_fd=tuple(held.add_fd),
+        )
+        return files
+
+    def _user(self, vm_id: str) -> list[str]:
+        """The words that start QEMU as a uid of its own (``setpriv``: real, effective and saved
+        uid and gid from :attr:`qemu_uids`, no supplementary group but ``/dev/kvm``'s under
+        KVM, no capability, no new privileges); none when the agent is not root (QEMU then
+        runs as the agent's user)."""
+        if self.qemu_uids is None:
+            return []
+        uid = pick_uid(vm_id, self.qemu_uids, _ids_in_use())
+        groups = _kvm_groups() if self.accel.accel == "kvm" else []
+        return [
+            "setpriv",
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--no-new-privs",
+            "--",
+        ]
+
     async def _launch(
         self, req: VMRequest, prepared: PreparedImage, jitconfig: Secret, net: GuestNetwork | None
-    ) -> LaunchedVM:
-        """Boot the VM on ``net``'s tap device (user-mode networking without one); the guest's
-        ``/usr/local/bin/runner`` gets ``IMP_GITHUB_JITCONFIG`` (via a pipe → fw_cfg, see module
-        docstring). Raises :class:`VMRuntimeError` when the config
-        cannot be passed or QEMU cannot be started (messages never contain the JIT config)."""
+    ) -> _QemuVM:
+        """Boot the VM on ``net``'s tap device (user-mode networking without one) as a uid of
+        its own inside QEMU's seccomp sandbox; the guest's ``/usr/local/bin/runner`` gets
+        ``IMP_GITHUB_JITCONFIG`` through the config channel (:mod:`impvm.agent.guest_io`).
+        Raises :class:`VMRuntimeError` when the config cannot be passed or QEMU cannot be
+        started (messages never contain the JIT config)."""
         disk = await self.image_disk(prepared)
-        secret = jitconfig.reveal().encode()
-        if len(secret) > _MAX_JIT_BYTES:
-            raise VMRuntimeError(f"JIT config of VM {req.vm_id} is larger than 1 MiB")
+        try:
+            message = config_message(self._guest_config(req, net), jitconfig.reveal())
+        except ValueError as exc:
+            raise VMRuntimeError(f"VM {req.vm_id}: {exc}") from None
         wd = req.workdir
         wd.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(wd, 0o700)
@@ -427,34 +501,42 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             f"{max(req.disk_gib, 1)}G",
         )
         os.chmod(wd / _SCRATCH, 0o600)
-        config = self._guest_config(req, net)
-        fds: list[int] = []
+        held = _Held()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        config_fd = held.socket(theirs)
+        logfd = os.open(wd / CONSOLE_LOG, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         try:
-            jit_r = _pipe_with(secret, fds)
-            cfg_r = _pipe_with(config, fds)
-            logfd = os.open(wd / CONSOLE_LOG, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-            fds.append(logfd)
-            args = self._qemu_args(req, disk, jit_r, cfg_r, net)
-            if self.systemd_scope:
-                args = [*scope_prefix(req.vm_id), *args]
-            # a session of its own, no parent-death signal, and not an asyncio subprocess (whose
-            # transport kills it when the agent's event loop closes): the VM outlives the agent
-            proc = AdoptedProcess.launch(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=logfd,
-                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-                pass_fds=(jit_r, cfg_r),
-                start_new_session=True,
-            )
+            async with self._uid_lock:  # a uid is free until its QEMU runs
+                files = self._open_files(req, disk, net, held, config_fd)
+                args = [*self._user(req.vm_id), *self._qemu_args(req, files, net)]
+                if self.systemd_scope:
+                    args = [*scope_prefix(req.vm_id), *args]
+                # a session of its own, no parent-death signal, and not an asyncio subprocess
+                # (whose transport kills it when the agent's event loop closes): the VM
+                # outlives the agent
+                proc = AdoptedProcess.launch(
+                    args,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=logfd,
+                    env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                    pass_fds=tuple(held.fds),
+                    start_new_session=True,
+                )
         except (OSError, VMRuntimeError) as exc:
+            ours.close()
             raise VMRuntimeError(f"starting QEMU for VM {req.vm_id} failed: {exc}") from None
         finally:
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        vm = LaunchedVM(proc=proc, prepared=prepared, secret=jitconfig.reveal(), workdir=wd)
+            held.close()
+            os.close(logfd)
+        vm = _QemuVM(
+            proc=proc,
+            prepared=prepared,
+            secret=jitconfig.reveal(),
+            workdir=wd,
+            status=StatusLog(wd / _STATUS),
+        )
+        vm.tasks.append(asyncio.create_task(self._hand_over(req, ours, message)))
         ident = identity_of(proc.pid)
         if ident is not None:  # None: it ended already, the reaper reports it
             rec = {
@@ -470,7 +552,12 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             await asyncio.to_thread(_write_record, wd, rec)
         return vm
 
-    async def _adopt(self, req: VMRequest) -> LaunchedVM | None:
+    async def _hand_over(self, req: VMRequest, sock: socket.socket, message: bytes) -> None:
+        """The config channel's one delivery (:func:`impvm.agent.guest_io.hand_over`)."""
+        if not await hand_over(sock, message):
+            log.info("vm %s ended before its guest took its config", req.vm_id)
+
+    async def _adopt(self, req: VMRequest) -> _QemuVM | None:
         """Re-attach the VM an earlier agent process launched (its launch record in the
         workdir): running, it is watched through a pidfd; ended, it is reported with its
         guest's exit code. None when there is no record (never launched, or cleaned up)."""
@@ -487,7 +574,13 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             size_bytes=0,
         )
         started = datetime.fromtimestamp(float(rec.get("startedAt") or time.time()), UTC)
-        vm = LaunchedVM(proc=proc, prepared=prepared, secret="", workdir=req.workdir)
+        vm = _QemuVM(
+            proc=proc,
+            prepared=prepared,
+            secret="",
+            workdir=req.workdir,
+            status=StatusLog(req.workdir / _STATUS),
+        )
         vm.started_at = started
         vm.secret_print = SecretPrint.from_record(rec.get("jit"))
         if proc.returncode is not None:  # ended while no agent ran
@@ -496,18 +589,19 @@ class QemuRuntime(RuntimeBase[LaunchedVM]):
             vm.finished_at = datetime.fromtimestamp(st, UTC) if st else datetime.now(UTC)
         return vm
 
-    async def _exit_code(self, vm: LaunchedVM, returncode: int) -> int:
-        """The guest init's report (``IMPVM-STATUS exit <code>`` on ttyS1); -1 for a VM that was
-        killed or ended without a report (kernel panic, QEMU error)."""
-        status = await asyncio.to_thread(_read_bytes, vm.workdir / _STATUS)
-        codes = _EXIT_RE.findall(status)
-        return int(codes[-1]) if codes and not vm.killed else -1
+    async def _exit_code(self, vm: _QemuVM, returncode: int) -> int:
+        """The exit code the guest reported on its status port (the last ``IMPVM-STATUS exit
+        <code>``, :class:`~impvm.agent.guest_io.StatusLog`; the guest's word, see
+        :mod:`impvm.agent.guest_io`); -1 for a VM that was killed or ended without a report
+        (kernel panic, QEMU error)."""
+        report = await asyncio.to_thread(vm.status.drain)
+        return report.exit_code if report.exit_code is not None and not vm.killed else -1
 
-    async def _runner_started(self, vm: LaunchedVM) -> bool:
-        """The guest init reported ``runner-start`` on ttyS1."""
-        return b"runner-start" in await asyncio.to_thread(_read_bytes, vm.workdir / _STATUS)
+    async def _runner_started(self, vm: _QemuVM) -> bool:
+        """The guest reported ``runner-start`` on its status port (read as it grows)."""
+        return (await asyncio.to_thread(vm.status.poll)).runner_started
 
-    async def _ask_to_stop(self, vm: LaunchedVM) -> None:
+    async def _ask_to_stop(self, vm: _QemuVM) -> None:
         """``stop`` on the control port (the guest sends SIGTERM to its processes and powers off
         once the runner ended); SIGTERM to QEMU when the port does not answer."""
         try:
@@ -580,28 +674,125 @@ def _mtime(path: Path) -> float | None:
         return None
 
 
-def _read_bytes(path: Path) -> bytes:
+@dataclass
+class _QemuVM(LaunchedVM):
+    """A QEMU VM: its status port's reader besides the bookkeeping every runtime keeps."""
+
+    status: StatusLog = field(default_factory=lambda: StatusLog(Path("/nonexistent")))
+
+
+@dataclass(frozen=True)
+class QemuFiles:
+    """What QEMU is handed for one VM, as its command line names them: ``/proc/self/fd/N``
+    (a file the agent opened, reopened read-only by QEMU: the kernel, initramfs and shared
+    directories), ``/dev/fdset/N`` (descriptors QEMU uses as they are, ``add_fd`` their
+    ``-add-fd`` words: disks, console, status) and socket or tap descriptors."""
+
+    kernel: str
+    initrd: str
+    disk: str
+    scratch: str
+    console: str
+    status: str
+    control_fd: int
+    config_fd: int
+    tap_fd: int | None
+    shares: tuple[tuple[str, str], ...]
+    add_fd: tuple[str, ...]
+
+
+class _Held:
+    """Descriptors opened for one launch: ``fds`` are handed to QEMU, and every one is closed
+    here once QEMU has its copies (a socket through its object, never by number twice)."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.add_fd: list[str] = []
+        self._own: list[int] = []
+        self._sockets: list[socket.socket] = []
+        self._sets = 0
+
+    def own(self, fd: int) -> int:
+        """Hand ``fd`` over, and close it afterwards."""
+        self.fds.append(fd)
+        self._own.append(fd)
+        return fd
+
+    def open(self, path: Path, flags: int) -> int:
+        return self.own(os.open(path, flags | os.O_CLOEXEC))
+
+    def socket(self, sock: socket.socket) -> int:
+        """Hand ``sock`` over, and close it afterwards."""
+        self._sockets.append(sock)
+        self.fds.append(sock.fileno())
+        return sock.fileno()
+
+    def reopen(self, path: Path, flags: int = os.O_RDONLY) -> str:
+        return f"/proc/self/fd/{self.open(path, flags)}"
+
+    def fdset(self, *fds: int) -> str:
+        self._sets += 1
+        for fd in fds:
+            self.add_fd += ["-add-fd", f"fd={fd},set={self._sets}"]
+        return f"/dev/fdset/{self._sets}"
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+        for fd in self._own:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+_TUNSETIFF = 0x400454CA
+_IFF_TAP, _IFF_NO_PI, _IFF_VNET_HDR = 0x0002, 0x1000, 0x4000
+
+
+def _open_tap(ifname: str) -> int:
+    """A descriptor of the (existing) tap device ``ifname``, as QEMU would attach it
+    (``IFF_TAP | IFF_NO_PI | IFF_VNET_HDR``, tun(4)): the agent attaches, QEMU cannot."""
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
     try:
-        return path.read_bytes()
+        ifr = struct.pack("16sH", ifname.encode(), _IFF_TAP | _IFF_NO_PI | _IFF_VNET_HDR)
+        fcntl.ioctl(fd, _TUNSETIFF, ifr)
     except OSError:
-        return b""
+        os.close(fd)
+        raise
+    return fd
 
 
-def _pipe_with(data: bytes, fds: list[int]) -> int:
-    """A pipe holding ``data`` with its write end closed; returns the read end (added to ``fds``
-    to be closed by the caller once QEMU has it)."""
-    r, w = os.pipe()
-    fds.append(r)
-    try:
-        if len(data) > 65536:
-            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, _MAX_JIT_BYTES + 4096)
-        view = memoryview(data)
-        while view:
-            n = os.write(w, view)
-            view = view[n:]
-    finally:
-        os.close(w)
-    return r
+def pick_uid(vm_id: str, ids: range, taken: set[int]) -> int:
+    """A uid (also the gid) of ``ids`` for VM ``vm_id`` that is not in ``taken`` (pure): the
+    search starts at a place the VM id chooses, so VMs spread over the range. Raises
+    :class:`VMRuntimeError` when every one is taken."""
+    start = int.from_bytes(hashlib.sha256(vm_id.encode()).digest()[:8], "big") % len(ids)
+    for i in range(len(ids)):
+        uid = ids[(start + i) % len(ids)]
+        if uid not in taken:
+            return uid
+    raise VMRuntimeError(f"no free uid for QEMU in {ids.start}-{ids.stop - 1}")
+
+
+def _ids_in_use() -> set[int]:
+    """Every uid and gid a process on this machine has (real, effective, saved, filesystem)."""
+    taken: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{entry}/status").read_text().splitlines():
+                if line.startswith(("Uid:", "Gid:")):
+                    taken.update(int(v) for v in line.split()[1:])
+    return taken
+
+
+def _kvm_groups() -> list[int]:
+    """The group that may open ``/dev/kvm`` when only its group may (Debian: ``kvm``)."""
+    with contextlib.suppress(OSError):
+        st = os.stat("/dev/kvm")
+        if st.st_mode & 0o006 != 0o006 and st.st_mode & 0o060 == 0o060:
+            return [st.st_gid]
+    return []
 
 
 async def _run(what: str, *args: str) -> None:

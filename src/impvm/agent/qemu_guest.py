@@ -32,7 +32,8 @@ Initramfs (uncompressed ``newc`` cpio, written by :func:`build_initramfs`, cache
   load order (dependencies first), and ``/etc/imp/modules-pci``, the ones only a machine with a
   PCI bus needs (q35; microvm has none, its init skips them).
 
-It holds nothing per VM and nothing secret; per-VM data arrives through fw_cfg at launch.
+It holds nothing per VM and nothing secret; per-VM data arrives through the config channel at
+launch (:mod:`impvm.agent.guest_io`), never through fw_cfg.
 """
 
 from __future__ import annotations
@@ -55,18 +56,19 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-#: Modules the guest init needs (virtio transports, disks, net, 9p shares, overlay root, fw_cfg).
+#: Modules the guest init needs (virtio transports, disks, net, the config channel's
+#: virtio-serial port, 9p shares, overlay root).
 GUEST_MODULES = (
     "virtio_mmio",
     "virtio_pci",
     "virtio_blk",
     "virtio_net",
+    "virtio_console",
     "crc32c_generic",
     "ext4",
     "overlay",
     "9pnet_virtio",
     "9p",
-    "qemu_fw_cfg",
 )
 _SHARE_MODULES = ("9p", "9pnet_virtio")
 #: Modules only a machine with a PCI bus needs (the init skips them when there is none).
@@ -184,10 +186,6 @@ def find_kernel(
             missing += [m for m in _SHARE_MODULES if not k.has_module(m)]
         if missing:
             problems.append(f"{cand}: lacks modules {', '.join(missing)}")
-            continue
-        if "qemu_fw_cfg" in _builtin(k.modules):
-            # the init unloads the driver after reading the JIT config; built in, it cannot
-            problems.append(f"{cand}: qemu_fw_cfg is built in (the job could read the JIT config)")
             continue
         return k
     detail = "; ".join(problems) or "no /boot/vmlinuz-*"

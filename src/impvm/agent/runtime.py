@@ -22,7 +22,10 @@ class VMRuntimeError(Exception):
 
 
 class ImageError(VMRuntimeError):
-    """An image could not be pulled, verified or unpacked (bad reference, digest mismatch, ...)."""
+    """An image could not be pulled, verified or unpacked (bad reference, digest mismatch, ...).
+    ``reason``: the VM's exit reason it gives (subclasses name their own)."""
+
+    reason = "ImagePullFailed"
 
 
 @dataclass(frozen=True, repr=False)

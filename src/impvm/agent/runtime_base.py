@@ -37,6 +37,7 @@ from impvm.agent.network.node import GuestNetwork, NodeNetwork
 from impvm.agent.network.ruleset import Kind
 from impvm.agent.runtime import RuntimeState, Secret, VMRequest, VMRuntimeError
 from impvm.agent.survivor import SecretPrint
+from impvm.guesttext import printable
 
 log = logging.getLogger("impvm.agent.runtime")
 
@@ -291,9 +292,10 @@ class RuntimeBase(Generic[VM]):
         vm.finished_at = datetime.now(UTC)
 
     def _tail(self, vm: VM) -> str:
-        """The last ``tail_lines`` console lines (blocking), the JIT config replaced by ``***``
-        (defence in depth: the wrapper never prints it, but a guest program might); the console
-        is first kept within :data:`LIVE_MAX_BYTES` (:func:`compact_console`)."""
+        """The last ``tail_lines`` console lines (blocking) without terminal control sequences
+        (:func:`impvm.guesttext.printable`), the JIT config replaced by ``***`` (defence in
+        depth: the wrapper never prints it, but a guest program might); the console is first
+        kept within :data:`LIVE_MAX_BYTES` (:func:`compact_console`)."""
         try:
             compact_console(vm.workdir / CONSOLE_LOG)
         except OSError:
@@ -305,7 +307,7 @@ class RuntimeBase(Generic[VM]):
                 data = f.read()
         except OSError:
             return ""
-        text = data.decode(errors="replace").replace("\r", "")
+        text = printable(data)  # it goes into the VM's status and Events
         out = "\n".join(text.splitlines()[-self.tail_lines :])
         if vm.secret:
             return out.replace(vm.secret, "***")

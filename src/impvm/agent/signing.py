@@ -217,6 +217,7 @@ class Verifier:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *args,
+                "--",  # the reference is never an option, whatever it looks like
                 pinned,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,

@@ -14,6 +14,47 @@ from impvm.api.times import k8s_time
 MAX_MESSAGE = 1024
 
 
+def condition(
+    old: Mapping[str, Any] | None,
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: dt.datetime,
+    generation: int | None = None,
+) -> dict[str, Any]:
+    """Condition ``type_`` set at ``now`` (wire form), after ``old`` (its previous value, if
+    any): lastTransitionTime moves only when the status flips; the message is cut to
+    :data:`MAX_MESSAGE`; ``observedGeneration`` when a ``generation`` is given."""
+    value = "True" if status else "False"
+    keep = old is not None and old.get("status") == value and old.get("lastTransitionTime")
+    out: dict[str, Any] = {
+        "type": type_,
+        "status": value,
+        "reason": reason,
+        "message": message[:MAX_MESSAGE],
+        "lastTransitionTime": old["lastTransitionTime"] if keep and old else k8s_time(now),
+    }
+    if generation is not None:
+        out["observedGeneration"] = generation
+    return out
+
+
+def set_condition(
+    conditions: Iterable[Mapping[str, Any]],
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: dt.datetime,
+    generation: int | None = None,
+) -> list[dict[str, Any]]:
+    """``conditions`` (wire form) with ``type_`` set (:func:`condition`), sorted by type."""
+    out = {c["type"]: dict(c) for c in conditions}
+    out[type_] = condition(out.get(type_), type_, status, reason, message, now, generation)
+    return [out[k] for k in sorted(out)]
+
+
 class ConditionSet:
     """Mutable set of conditions of one object, keyed by type, as one writer sees them."""
 
@@ -31,20 +72,10 @@ class ConditionSet:
         """Set one condition at time ``now``. Returns True when its status changed to a value
         worth an Event (any change, or a first condition that is True); lastTransitionTime
         moves only on a change of status."""
-        value = "True" if status else "False"
         self.touched.add(type_)
         old = self._items.get(type_)
-        changed = old is None or old.get("status") != value
-        self._items[type_] = {
-            "type": type_,
-            "status": value,
-            "reason": reason,
-            "message": message[:MAX_MESSAGE],
-            "lastTransitionTime": old["lastTransitionTime"]
-            if old is not None and not changed
-            else k8s_time(now),
-            "observedGeneration": self.generation,
-        }
+        changed = old is None or old.get("status") != ("True" if status else "False")
+        self._items[type_] = condition(old, type_, status, reason, message, now, self.generation)
         return changed and (status or old is not None)
 
     def ours(self) -> list[dict[str, Any]]:

@@ -25,6 +25,26 @@ def k8s_time(t: dt.datetime | None = None) -> str:
     return (t or utcnow()).astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def parse_time(raw: object) -> dt.datetime | None:
+    """A timestamp as the API server or GitHub writes it (RFC 3339: ``2026-11-30T12:00:00Z``,
+    fractions and offsets allowed) as an aware datetime; a datetime is returned as it is (an
+    aware one), None or ``""`` as None. The one parser of timestamps in the project.
+
+    Raises ValueError for anything else: not a string, not RFC 3339, or without a timezone
+    (a time of unknown zone cannot be compared)."""
+    if raw is None or raw == "":
+        return None
+    if isinstance(raw, dt.datetime):
+        parsed = raw
+    elif isinstance(raw, str):
+        parsed = dt.datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    else:
+        raise ValueError(f"expected an RFC 3339 time, got {raw!r}")
+    if parsed.utcoffset() is None:
+        raise ValueError(f"time without a timezone: {raw!r}")
+    return parsed
+
+
 @runtime_checkable
 class Clock(Protocol):
     """Monotonic seconds and wall time from one source."""

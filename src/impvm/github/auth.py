@@ -8,7 +8,9 @@ the past against clock drift; ``exp`` no more than 10 minutes in the future; ``i
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,6 +57,67 @@ class PatCredentials:
 
 
 Credentials = AppCredentials | PatCredentials
+
+
+@dataclass(frozen=True, slots=True)
+class CredentialIdentity:
+    """What makes two credentials the same, for sharing a client, its installation tokens and
+    every cache kept for them. Never holds a secret: ``fingerprint`` is the SHA-256 of the App
+    key's public half (DER SubjectPublicKeyInfo, base64: the fingerprint GitHub shows beside an
+    App's private keys, "Managing private keys for GitHub Apps") or of the PAT (hex).
+
+    ``api_url``: the REST base the credentials are used against; ``kind``: ``app`` or ``pat``;
+    ``app_id``/``installation_id``: the App's, None for a PAT."""
+
+    api_url: str
+    kind: Literal["app", "pat"]
+    fingerprint: str
+    app_id: int | None = None
+    installation_id: int | None = None
+
+    @property
+    def installation(self) -> str:
+        """The key job routing groups credentials by: one App installation on one GitHub
+        (``<api_url>#installation/<id>``), or, for a PAT, that token
+        (``<api_url>#pat/<first 16 hex of its fingerprint>``)."""
+        if self.kind == "app":
+            return f"{self.api_url}#installation/{self.installation_id}"
+        return f"{self.api_url}#pat/{self.fingerprint[:16]}"
+
+    def __str__(self) -> str:
+        if self.kind == "app":
+            return (
+                f"App {self.app_id} installation {self.installation_id} "
+                f"key SHA256:{self.fingerprint}"
+            )
+        return f"PAT {self.fingerprint[:12]}"
+
+
+def public_key_fingerprint(private_key_pem: str) -> str:
+    """Base64 SHA-256 of the DER public key of a PEM RSA private key: what GitHub lists as the
+    key's fingerprint (``openssl rsa -in KEY -pubout -outform DER | openssl sha256 -binary |
+    openssl base64``, "Verifying private keys" in the GitHub docs). Raises
+    :class:`CredentialsError`."""
+    der = (
+        load_private_key(private_key_pem)
+        .public_key()
+        .public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    return base64.b64encode(hashlib.sha256(der).digest()).decode()
+
+
+def identity_of(credentials: Credentials, api_url: str) -> CredentialIdentity:
+    """The :class:`CredentialIdentity` of ``credentials`` used against ``api_url``."""
+    if isinstance(credentials, AppCredentials):
+        return CredentialIdentity(
+            api_url=api_url,
+            kind="app",
+            fingerprint=public_key_fingerprint(credentials.private_key.get_secret_value()),
+            app_id=credentials.app_id,
+            installation_id=credentials.installation_id,
+        )
+    digest = hashlib.sha256(credentials.token.get_secret_value().encode()).hexdigest()
+    return CredentialIdentity(api_url=api_url, kind="pat", fingerprint=digest)
 
 
 def _text(data: Mapping[str, str | bytes], key: str) -> str:

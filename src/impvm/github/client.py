@@ -35,11 +35,13 @@ from pydantic import SecretStr
 from impvm.github import metrics
 from impvm.github.auth import (
     AppCredentials,
+    CredentialIdentity,
     Credentials,
     PatCredentials,
     Permissions,
     TokenCache,
     create_app_jwt,
+    identity_of,
     permissions_key,
 )
 from impvm.github.errors import (
@@ -284,6 +286,10 @@ class _Shared:
     ) -> None:
         self.credentials = credentials
         self.api_url = api_url
+        self.identity = identity_of(credentials, api_url)
+        #: GitHub accepted these credentials: an installation token was minted (App) or a
+        #: request answered (PAT)
+        self.proven = False
         self.transport = _KeptTransport()
         self.gh = GitHub(
             UnauthAuthStrategy(),
@@ -378,6 +384,20 @@ class GitHubClient:
         """The REST API base URL in use."""
         return self._shared.api_url
 
+    @property
+    def identity(self) -> CredentialIdentity:
+        """Who this client is (:class:`CredentialIdentity`: no secret in it). A client's
+        credentials never change: other credentials get another client, with their own tokens
+        and caches."""
+        return self._shared.identity
+
+    @property
+    def installation(self) -> str | None:
+        """:attr:`CredentialIdentity.installation` once GitHub accepted the credentials (an
+        installation token was minted for that installation, or a PAT's request answered),
+        else None: claiming an App ID and installation ID in a Secret proves nothing."""
+        return self._shared.identity.installation if self._shared.proven else None
+
     def _record_budget(self, resource: str, headers: Any) -> None:
         def num(name: str) -> int:
             raw = headers.get(name, "")
@@ -404,11 +424,6 @@ class GitHubClient:
         view._rng = self._rng
         view._permissions = dict(permissions)
         return view
-
-    def use_credentials(self, credentials: Credentials) -> None:
-        """Use new credentials of the same installation (a rotated App key): cached tokens,
-        ETags and connections are kept."""
-        self._shared.credentials = credentials
 
     async def close(self) -> None:
         """Release resources (tokens, ETags, connections). Idempotent."""
@@ -460,9 +475,12 @@ class GitHubClient:
                 token = resp.parsed_data
             except GitHubError as exc:
                 metrics.TOKEN_MINTS.labels(result=type(exc).__name__).inc()
+                if isinstance(exc, BadCredentials | InstallationUnavailable):
+                    self._shared.proven = False  # a revoked key or a removed installation
                 raise
             secret = SecretStr(token.token)
             self._shared.tokens.put(creds.installation_id, perms, secret, _epoch(token.expires_at))
+            self._shared.proven = True
             metrics.TOKEN_MINTS.labels(result="ok").inc()
             return secret
 
@@ -569,6 +587,8 @@ class GitHubClient:
                     metrics.RATE_LIMIT_REMAINING.labels(resource=resource).set(int(remaining))
                     self._record_budget(resource, resp.headers)
                 if resp.status_code < 400:
+                    if not minting and isinstance(shared.credentials, PatCredentials):
+                        shared.proven = True
                     return resp
                 wait = self._rate_limit_wait(resp, limited)
                 if wait is not None:
@@ -599,6 +619,10 @@ class GitHubClient:
                     reauthed = True
                     continue
                 failure = self._error(endpoint, resp, minting)
+                if isinstance(failure, BadCredentials) and isinstance(
+                    shared.credentials, PatCredentials
+                ):
+                    shared.proven = False  # a revoked token
                 if not isinstance(failure, TransientError):
                     raise failure
             transient += 1

@@ -191,9 +191,21 @@ def handle_delivery(
     event header or a body that is not a JSON object. Counts
     ``impvm_github_webhook_deliveries_total``."""
     lower = {k.lower(): v for k, v in headers.items()}
+    verified = signature_is_valid(secret, body, lower.get(SIGNATURE_HEADER.lower()))
+    return parse_delivery(headers, body, verified)
+
+
+def parse_delivery(
+    headers: Mapping[str, str], body: bytes, verified: bool
+) -> WorkflowJobEvent | IgnoredEvent:
+    """Parse one delivery whose signature the caller checked (``verified``: it matched at
+    least one secret; each secret is hashed once, by the caller). Raises
+    :class:`WebhookRejected` as :func:`handle_delivery` does. Counts
+    ``impvm_github_webhook_deliveries_total``."""
+    lower = {k.lower(): v for k, v in headers.items()}
     event = lower.get(EVENT_HEADER.lower(), "")
     label = event if event in ("workflow_job", "ping") else "other"
-    if not signature_is_valid(secret, body, lower.get(SIGNATURE_HEADER.lower())):
+    if not verified:
         metrics.WEBHOOK_DELIVERIES.labels(event=label, result="rejected").inc()
         raise WebhookRejected("webhook signature missing or invalid")
     if not event:

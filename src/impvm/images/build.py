@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from impvm.agent.layers import Budget, scan_layer
+from impvm.agent.runtime import ImageError
 from impvm.agent.tools import run_tool
 from impvm.images.spec import (
     COSIGN_PATH,
@@ -84,6 +86,9 @@ DEFAULT_CACHE = (
 #: pip's own wheel (run from the wheel file inside the Debian root to install the others)
 _PIP = "pip"
 _CHUNK = 1 << 20
+#: The most a runner release may unpack to, in bytes (2.3xx releases: about 500 MB): a
+#: tarball that inflates beyond is refused before anything of it is written
+RUNNER_MAX_BYTES = 2 << 30
 
 
 class ImageBuildError(Exception):
@@ -133,6 +138,8 @@ class BuildOptions:
     project_root: Path = PROJECT_ROOT
     #: the cosign binary for the agent image (default: the pinned build, made when missing)
     cosign: Path | None = None
+    #: the most the runner tarball may unpack to, in bytes
+    runner_max_bytes: int = RUNNER_MAX_BYTES
     log: Callable[[str], None] = field(
         default=lambda line: print(f"images: {line}", file=sys.stderr, flush=True)
     )
@@ -818,7 +825,7 @@ class Builder:
         else:
             release, tarball = await self._runner_tarball(lock)
             self.log(f"runner-layer: GitHub Actions runner {release.version}")
-            await asyncio.to_thread(_extract_runner, tarball, home)
+            await asyncio.to_thread(_extract_runner, tarball, home, self.opts.runner_max_bytes)
         wrapper = stage / RUNNER_WRAPPER.lstrip("/")
         wrapper.parent.mkdir(parents=True, exist_ok=True)
         from impvm.devstack.testimages import runner_wrapper_script
@@ -868,9 +875,18 @@ class Builder:
         return release, dest
 
 
-def _extract_runner(tarball: Path, dest: Path) -> None:
-    """Unpack the runner release into ``dest`` with tarfile's ``data`` filter (no absolute
-    paths, no links leaving ``dest``, no device nodes, no set-uid bits)."""
+def _extract_runner(tarball: Path, dest: Path, max_bytes: int = RUNNER_MAX_BYTES) -> None:
+    """Unpack the runner release into ``dest``: first read whole without writing anything
+    (:func:`impvm.agent.layers.scan_layer`: no entry, hard link or relative symlink leaving
+    ``dest``, no device node, no entry below a symlink of the archive, at most ``max_bytes``
+    unpacked), then extracted with tarfile's ``data`` filter (no absolute paths, no links
+    leaving ``dest``, no set-uid bits). Raises :class:`ImageBuildError`."""
+    try:
+        scan_layer(
+            tarball, Budget(max_bytes), f"runner tarball {tarball.name}", through_links=False
+        )
+    except ImageError as exc:
+        raise ImageBuildError(str(exc)) from None
     try:
         with tarfile.open(tarball) as tar:
             tar.extractall(dest, filter="data")
@@ -970,6 +986,7 @@ async def copy_image(image: BuiltImage, dest: str, insecure: bool = False) -> st
             *tls,
             "--digestfile",
             str(digest_file),
+            "--",  # neither is ever an option, whatever it looks like
             image.oci_ref,
             dest,
             error=ImageBuildError,

@@ -1,6 +1,7 @@
 """Process-wide state of the operator: the Kubernetes client, the GitHub provider, the clock, the
-job table and per-pool memory (wake-up events, backoff, poll state). Everything here is a cache:
-after a restart it is rebuilt from Kubernetes objects and GitHub (Kubernetes is the database)."""
+job tables, the pollers and JIT mint budgets of each installation, and one slot per pool (its
+wake-up event and the memory its last pass concluded). Everything here is a cache: after a
+restart it is rebuilt from Kubernetes objects and GitHub (Kubernetes is the database)."""
 
 from __future__ import annotations
 
@@ -14,74 +15,65 @@ from lightkube.resources.core_v1 import Secret
 from impvm.api.models import AGENT_LEASE_NAMESPACE, PoolKey
 from impvm.api.times import Clock, as_clock
 from impvm.events import EventRecorder
-from impvm.github import RetryPolicy
+from impvm.github import GitHubClient, RetryPolicy
 from impvm.operator.credentials import GitHubProvider
 from impvm.operator.poller import Pollers
 from impvm.operator.runners import RunnerDirectory
 from impvm.operator.sources import CachedSource, KubeSource
-from impvm.scaling.jobtable import JobTable, PoolScope
-from impvm.scaling.pollbudget import PollBudget
-from impvm.scaling.timings import TimingWindow
-from impvm.scaling.world import BackoffState, PassSettings, PollState, WarmPoolMemory
+from impvm.scaling.jobtable import JobTable, JobTables, PoolScope
+from impvm.scaling.mintbudget import MintBudget
+from impvm.scaling.poolpass import PoolMemory
+from impvm.scaling.settings import PassSettings
 
 
 @dataclass
-class PoolMemory:
-    """In-memory facts about one pool between passes (all re-derivable)."""
+class PoolSlot:
+    """One pool in this process: ``wake`` (its loop runs now rather than at its next tick) and
+    ``memory``, the frozen value its last pass concluded (replaced whole, never changed in
+    place). The webhook receiver and wake-ups read the pool's route from it."""
 
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    backoff: BackoffState = field(default_factory=BackoffState)
-    poll: PollState = field(default_factory=PollState)
-    #: ((org, group name), group id, valid until (monotonic s)) of the last runner-group lookup
+    memory: PoolMemory = field(default_factory=PoolMemory)
+    #: the executor's cache of the org runner group id: ((org, group), id, until (monotonic s))
     runner_group: tuple[tuple[str, str | None], int, float] | None = None
-    #: the pool as job routing sees it, and its webhook secret (webhook/hybrid modes)
-    scope: PoolScope | None = None
-    webhook_secret: str | None = field(default=None, repr=False)
-    #: name prefix of the pool's runners (:func:`impvm.scaling.names.runner_prefix`)
-    prefix: str = ""
-    #: template and class names of the last pass (an edit of either wakes the pool)
-    template: str | None = None
-    vm_class: str | None = None
-    #: the pool's job timings of the last hour (:mod:`impvm.scaling.timings`)
-    timings: TimingWindow = field(default_factory=TimingWindow)
-    #: the warm pool's arrivals read, last state written and runners counted ready
-    warm: WarmPoolMemory = field(default_factory=WarmPoolMemory)
-    #: the pool's, its template's and its class's parsed objects, by parser, with the
-    #: (parser, uid, resourceVersion) they were parsed from
-    parsed: dict[str, tuple[tuple[object, ...], object]] = field(default_factory=dict)
+
+    @property
+    def scope(self) -> PoolScope | None:
+        """The pool as job routing sees it (None before its template and class were found)."""
+        return self.memory.route.scope
+
+    @property
+    def webhook_secret(self) -> str | None:
+        """Its webhook secret (webhook and hybrid modes)."""
+        return self.memory.route.webhook_secret
+
+    @property
+    def prefix(self) -> str:
+        """Name prefix of its runners."""
+        return self.memory.route.prefix
 
 
-@dataclass
+@dataclass(frozen=True)
 class OperatorSettings:
-    """Tunables (seconds unless named otherwise)."""
+    """The operator's settings: ``pool``, the pool controller's tunables (the object its pass
+    reads, :class:`~impvm.scaling.settings.PassSettings`), and what only the process needs
+    (seconds unless named otherwise)."""
 
-    resync_seconds: float = 10.0
-    busy_resync_seconds: float = 2.0
-    template_missing_requeue_seconds: float = 30.0
+    pool: PassSettings = field(default_factory=PassSettings)
     github_api_url: str | None = None  # override (the stand-in); else from platform.serverURL
     github_timeout: float = 15.0
     github_retry: RetryPolicy = field(
         default_factory=lambda: RetryPolicy(max_transient_retries=2, base_delay=0.5, max_delay=5.0)
     )
-    #: below this share of the rate-limit budget, polling (non-essential) pauses; JIT minting
-    #: (essential) goes on
-    poll_budget_floor: float = 0.2
-    #: seconds between the safety polls of a webhook-mode pool (lost deliveries)
-    webhook_safety_poll_seconds: float = 300.0
-    #: requests the job poller of one installation may make (:mod:`impvm.scaling.pollbudget`)
-    poll_budget: PollBudget = field(default_factory=PollBudget)
     #: seconds a resolved runner-group id is reused
     runner_group_ttl: float = 300.0
-    #: the oldest shared runner list a pool decides from while a VM awaits its runner, and
-    #: otherwise; how long a new VM counts as awaiting it (:mod:`impvm.scaling.runnerlist`)
-    awaiting_runner_list_seconds: float = 0.5
-    idle_runner_list_seconds: float = 60.0
-    runner_wait_fresh_seconds: float = 60.0
-    #: seconds past an agent Lease's duration before its node's VMs are given up
-    node_lost_grace_seconds: float = 60.0
-    #: leader election: on (replicas > 1 safe) or off (one replica only); the Lease's name (in
-    #: the agents' Lease namespace) and duration; the URL this replica receives webhooks at
-    #: (written on the Lease while it leads, for standbys to forward to)
+    #: the installation's own namespace (the chart's release namespace), where the leader Lease
+    #: and the agents' Leases (the agents' ``--lease-namespace``) live: agent Leases are read
+    #: there only, a Lease elsewhere is a tenant's
+    lease_namespace: str = AGENT_LEASE_NAMESPACE
+    #: leader election: on (replicas > 1 safe) or off (one replica only); the Lease's name and
+    #: duration; the URL this replica receives webhooks at (written on the Lease while it leads,
+    #: for standbys to forward to)
     leader_elect: bool = True
     leader_lease_name: str = "impvm-operator"
     leader_lease_seconds: float = 15.0
@@ -90,20 +82,6 @@ class OperatorSettings:
     agent_service_accounts: tuple[str, ...] = (
         f"system:serviceaccount:{AGENT_LEASE_NAMESPACE}:impvm-agent",
     )
-
-    def for_pass(self) -> PassSettings:
-        """The tunables the pure pool pass reads."""
-        return PassSettings(
-            resync_seconds=self.resync_seconds,
-            busy_resync_seconds=self.busy_resync_seconds,
-            template_missing_requeue_seconds=self.template_missing_requeue_seconds,
-            poll_budget_floor=self.poll_budget_floor,
-            webhook_safety_poll_seconds=self.webhook_safety_poll_seconds,
-            node_lost_grace_seconds=self.node_lost_grace_seconds,
-            awaiting_runner_list_seconds=self.awaiting_runner_list_seconds,
-            idle_runner_list_seconds=self.idle_runner_list_seconds,
-            runner_wait_fresh_seconds=self.runner_wait_fresh_seconds,
-        )
 
 
 class OperatorContext:
@@ -122,14 +100,23 @@ class OperatorContext:
         #: longer act as leader; checked before every JIT mint
         self.leading: Callable[[], bool] = lambda: True
         self.clock = as_clock(clock)
-        self.pools: dict[PoolKey, PoolMemory] = {}
-        self.jobs = JobTable()
-        #: one job poller per installation, shared by its pools
-        self.pollers = Pollers(self.jobs, self.clock, self.settings.poll_budget)
+        self.pools: dict[PoolKey, PoolSlot] = {}
+        #: one job table per installation (:class:`JobTables`)
+        self.jobs = JobTables()
+        #: one job poller per credential identity, shared by the pools holding that key
+        self.pollers = Pollers(
+            self.jobs,
+            self.clock,
+            self.settings.pool.poll_budget(),
+            self.scopes,
+            wake=self.wake_known,
+        )
         self.events = EventRecorder(kube, component="impvm-operator")
-        self.sources: KubeSource = KubeSource(kube)
+        self.sources: KubeSource = KubeSource(kube, self.settings.lease_namespace)
         #: GitHub's runner registrations, one shared list per installation and scope
         self.runners = RunnerDirectory()
+        #: each installation's JIT mint budget, shared by its pools
+        self._mints: dict[GitHubClient, MintBudget] = {}
         s = self.settings
         self.github = GitHubProvider(
             kube,
@@ -137,7 +124,15 @@ class OperatorContext:
             timeout=s.github_timeout,
             retry=s.github_retry,
             secrets=lambda ns, name: self.sources.get(Secret, name, ns),
+            on_retire=self._retired,
         )
+
+    def _retired(self, client: GitHubClient) -> None:
+        """A client no Secret uses any more (a rotated key): its poller, lists and mint budget
+        go."""
+        self.pollers.forget(client)
+        self.runners.forget_client(client)
+        self._mints.pop(client, None)
 
     def use_caches(self, namespaces: list[str] | None = None) -> CachedSource:
         """Read from watch caches (started by the caller: ``await ctx.sources.start()``) whose
@@ -149,21 +144,38 @@ class OperatorContext:
             on_template=lambda ns, name: self.wake_using(ns, name, None),
             on_class=lambda _, name: self.wake_using(None, None, name),
             on_pool=lambda ns, name: self.wake_known(PoolKey(ns, name)),
+            lease_namespace=self.settings.lease_namespace,
         )
         self.sources = cached
         return cached
 
-    def pool(self, key: PoolKey) -> PoolMemory:
-        """Memory of one pool (created on first use)."""
+    def pool(self, key: PoolKey | tuple[str, str]) -> PoolSlot:
+        """The slot of one pool (made on first use)."""
         key = PoolKey(*key)
-        mem = self.pools.get(key)
-        if mem is None:
-            mem = self.pools[key] = PoolMemory()
-        return mem
+        slot = self.pools.get(key)
+        if slot is None:
+            slot = self.pools[key] = PoolSlot()
+        return slot
+
+    def mint_budget(self, client: GitHubClient) -> MintBudget:
+        """The JIT mint budget of ``client``'s installation (made on first use)."""
+        budget = self._mints.get(client)
+        if budget is None:
+            s = self.settings.pool
+            budget = self._mints[client] = MintBudget(
+                per_minute=s.installation_mints_per_minute, pool_share=s.pool_mint_share
+            )
+        return budget
 
     def scopes(self) -> list[PoolScope]:
         """Every known pool as job routing sees it."""
         return [m.scope for m in self.pools.values() if m.scope is not None]
+
+    def jobs_of(self, key: PoolKey) -> JobTable | None:
+        """The job table of the installation the pool's credentials are (None: GitHub has not
+        accepted them yet, so no job is routed to it)."""
+        scope = self.pool(key).scope
+        return self.jobs.get(scope.installation if scope is not None else None)
 
     def wake(self, key: PoolKey) -> None:
         """Make the pool's reconcile loop run now rather than at its next tick."""
@@ -171,18 +183,29 @@ class OperatorContext:
 
     def wake_known(self, key: PoolKey) -> None:
         """Wake the pool if this process runs passes for it (else nothing is remembered)."""
-        mem = self.pools.get(PoolKey(*key))
-        if mem is not None:
-            mem.wake.set()
+        slot = self.pools.get(PoolKey(*key))
+        if slot is not None:
+            slot.wake.set()
 
     def wake_using(self, namespace: str | None, template: str | None, vm_class: str | None) -> None:
         """Wake every pool whose last pass used ``template`` (in ``namespace``) or ``vm_class``
         (an edit may make its VMs outdated)."""
-        for key, mem in self.pools.items():
+        for key, slot in self.pools.items():
+            route = slot.memory.route
             if (
-                template is not None and key.namespace == namespace and mem.template == template
-            ) or (vm_class is not None and mem.vm_class == vm_class):
-                mem.wake.set()
+                template is not None and key.namespace == namespace and route.template == template
+            ) or (vm_class is not None and route.vm_class == vm_class):
+                slot.wake.set()
+
+    def forget(self, key: PoolKey) -> PoolSlot | None:
+        """A pool is gone: drop its slot and what was kept for it (its runner lists' marks,
+        its share of the mint budgets)."""
+        slot = self.pools.pop(PoolKey(*key), None)
+        if slot is not None and slot.prefix:
+            self.runners.forget(slot.prefix)
+            for budget in self._mints.values():
+                budget.forget(slot.prefix)
+        return slot
 
     async def close(self) -> None:
         """Stop the watch caches; close every GitHub client."""

@@ -20,6 +20,7 @@ import kopf
 
 from impvm.api.models import GROUP, VERSION, PoolKey
 from impvm.operator.context import OperatorContext
+from impvm.operator.metrics import forget_pool
 from impvm.operator.pool import PoolReconciler
 from impvm.operator.reaper import reaper_enabled, reaper_loop
 from impvm.operator.teardown import deregister_pool_runners
@@ -59,10 +60,10 @@ async def pool_daemon(
     pass asked for."""
     ctx = _ctx(memo)
     key = PoolKey(namespace or "", name)
-    mem = ctx.pool(key)
+    slot = ctx.pool(key)
     reconciler = PoolReconciler(ctx)
     while True:
-        mem.wake.clear()
+        slot.wake.clear()
         try:
             delay = await reconciler.reconcile(key, uid)
         except asyncio.CancelledError:
@@ -73,7 +74,7 @@ async def pool_daemon(
         if delay is None:
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(mem.wake.wait(), delay)
+            await asyncio.wait_for(slot.wake.wait(), delay)
 
 
 @kopf.on.delete(GROUP, VERSION, "impvmrunnerpools", retries=30)
@@ -82,9 +83,9 @@ async def pool_deleted(name: str, namespace: str | None, body: Any, memo: Any, *
     registrations). Busy runners are retried every 10 s, at most 30 times, then left to GitHub."""
     ctx = _ctx(memo)
     busy = await deregister_pool_runners(ctx, body)
-    mem = ctx.pools.pop(PoolKey(namespace or "", name), None)
-    if mem is not None and mem.prefix:
-        ctx.runners.forget(mem.prefix)
+    key = PoolKey(namespace or "", name)
+    ctx.forget(key)
+    forget_pool(key)
     if busy:
         raise kopf.TemporaryError(f"{busy} runner(s) still busy; retrying", delay=10)
 

@@ -5,8 +5,11 @@ Agents hold no right to read Secrets. An agent asks the operator
 bearer token. The operator asks the API server who that is (a ``TokenReview`` with the audience
 :data:`AUDIENCE`) and hands the value of the VM's JIT Secret over only when
 
-- the token is valid for that audience and names an agent ServiceAccount the operator was told
-  about (``--agent-service-account``);
+- the token is valid for that audience — the review's ``status.audiences`` names it (the
+  TokenReview API: "A client of the TokenReview API that sets the spec.audiences field should
+  validate that a compatible audience identifier is returned in the status.audiences field to
+  ensure that the TokenReview server is audience aware") — and names an agent ServiceAccount the
+  operator was told about (``--agent-service-account``);
 - the token is bound to a node: Kubernetes puts the node of a Pod-bound token, or of a token bound
   to a Node object, in the user's extra ``authentication.kubernetes.io/node-name`` (Kubernetes
   1.30+, "Bound service account tokens" in the Kubernetes authentication docs);
@@ -82,11 +85,13 @@ STATUS = {
 
 @dataclass(frozen=True)
 class Caller:
-    """Who a TokenReview said the bearer is. ``authenticated`` False: nothing else counts."""
+    """Who a TokenReview said the bearer is. ``authenticated`` False: nothing else counts;
+    ``audiences``: those the review found the token valid for (its ``status.audiences``)."""
 
     authenticated: bool
     username: str = ""
     extra: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    audiences: tuple[str, ...] = ()
 
     @property
     def node(self) -> str | None:
@@ -126,8 +131,8 @@ def judge(
 ) -> Verdict:
     """Whether ``caller`` may have the JIT config of ``vm`` (None: not found) from ``secret``
     (None: not found). ``agents``: the usernames of the agent ServiceAccounts. Pure."""
-    if not caller.authenticated:
-        return Verdict.UNAUTHENTICATED
+    if not caller.authenticated or AUDIENCE not in caller.audiences:
+        return Verdict.UNAUTHENTICATED  # an answer that does not say "for our audience": not
     if caller.username not in agents:
         return Verdict.NOT_AN_AGENT
     node = caller.node
@@ -155,7 +160,12 @@ def caller_from_review(status: Any) -> Caller:
     if status is None or not status.authenticated or status.user is None:
         return Caller(authenticated=False)
     extra = tuple(sorted((k, tuple(v or ())) for k, v in (status.user.extra or {}).items()))
-    return Caller(authenticated=True, username=status.user.username or "", extra=extra)
+    return Caller(
+        authenticated=True,
+        username=status.user.username or "",
+        extra=extra,
+        audiences=tuple(status.audiences or ()),
+    )
 
 
 def vm_facts(raw: dict[str, Any]) -> VMFacts:
@@ -212,7 +222,12 @@ class JitHandout:
         vm: VMFacts | None = None
         secret: SecretFacts | None = None
         value = ""
-        if caller.authenticated and caller.username in self.agents and caller.node:
+        if (
+            caller.authenticated
+            and AUDIENCE in caller.audiences
+            and caller.username in self.agents
+            and caller.node
+        ):
             vm = await self._vm(namespace, name)
             if vm is not None and vm.secret and vm.node == caller.node:
                 raw = await self._secret(namespace, vm.secret)

@@ -2,7 +2,7 @@
 package does it (kube-controller-manager, kube-scheduler): one replica holds the Lease and
 renews it; the others watch it and take it over when it has not changed for its duration.
 
-- :func:`decide` is pure: from the Lease as read, who we are and two clocks, what to do
+- :func:`lease_move` is pure: from the Lease as read, who we are and two clocks, what to do
   (``Acquire``, ``Renew``, ``Standby``) and when to look again.
 - Expiry is judged by the *observer's own monotonic clock*: a standby remembers when it last saw
   the Lease change (holder or renew time) and takes over only when it has not changed for
@@ -94,7 +94,8 @@ class Standby:
     holder: str
 
 
-Action = Acquire | Renew | Standby
+#: what a replica does with the Lease (:func:`lease_move`)
+LeaseMove = Acquire | Renew | Standby
 
 
 def observe(lease: LeaseView | None, last: Observation | None, now: float) -> Observation:
@@ -106,9 +107,9 @@ def observe(lease: LeaseView | None, last: Observation | None, now: float) -> Ob
     return last
 
 
-def decide(
+def lease_move(
     lease: LeaseView | None, me: str, seen: Observation, now: float, timing: Timing
-) -> Action:
+) -> LeaseMove:
     """What replica ``me`` does, given the Lease (None: missing), when it last saw it change
     (``seen``) and the monotonic ``now``. Pure."""
     if lease is None:
@@ -173,7 +174,7 @@ class LeaderElector:
 
     # ------------------------------------------------------------------ loop
 
-    async def step(self) -> Action:
+    async def step(self) -> LeaseMove:
         """Read the Lease once, decide and write; returns what was decided. Raises on API
         errors other than a lost race (409) or a missing Lease."""
         lease: Lease | None
@@ -189,7 +190,7 @@ class LeaderElector:
         if lease is not None:
             ann = (lease.metadata.annotations if lease.metadata else None) or {}
             self._leader_url = ann.get(LEADER_URL_ANNOTATION, "")
-        action = decide(view, self.identity, self._seen, now, self.timing)
+        action = lease_move(view, self.identity, self._seen, now, self.timing)
         if isinstance(action, Standby):
             return action
         body = self._body(view, action)

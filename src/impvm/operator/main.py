@@ -17,7 +17,6 @@ import kopf
 from lightkube import AsyncClient
 
 import impvm.operator.handlers  # noqa: F401 - registers the kopf handlers
-from impvm.api.models import AGENT_LEASE_NAMESPACE
 from impvm.operator import http
 from impvm.operator.context import OperatorContext, OperatorSettings
 from impvm.operator.jithandout import JitHandout
@@ -46,7 +45,7 @@ async def run(
         lease = settings.leader_lease_seconds
         elector = LeaderElector(
             kube,
-            AGENT_LEASE_NAMESPACE,
+            settings.lease_namespace,
             settings.leader_lease_name,
             f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}",
             url=settings.advertise_url,
@@ -60,7 +59,11 @@ async def run(
     log.info("HTTP on %s:%d", http_host, http_port)
     try:
         if elector is not None:
-            log.info("standby: waiting for Lease %s", settings.leader_lease_name)
+            log.info(
+                "standby: waiting for Lease %s/%s",
+                settings.lease_namespace,
+                settings.leader_lease_name,
+            )
             await elector.acquire()
         # pool passes read from watch caches: started (first lists under way) before kopf
         # starts the pools' daemons; a pass waits for the first lists it reads

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from impvm.api.models import PoolKey
-from impvm.scaling.pool import Counts
+from impvm.scaling.jobtable import Job, PoolScope, tied
+from impvm.scaling.poolpass import Counts
+
+log = logging.getLogger("impvm.operator.routing")
 
 POLL_CALLS = Counter("impvm_poll_api_calls_total", "GitHub requests made by job polling.")
 POOL_VMS = Gauge("impvm_pool_vms", "VMs of a pool by state.", ["namespace", "pool", "state"])
@@ -47,6 +53,32 @@ REAPER_DECISIONS = Counter(
     ["namespace", "pool", "action", "reason"],
 )
 
+JOB_ROUTING_TIES = Counter(
+    "impvm_job_routing_ties_total",
+    "Queued jobs that fitted several pools of their installation equally well; each went to "
+    "the oldest of them (by creation time, then uid), never by name.",
+)
+
+
+def note_routing(job: Job, scopes: Sequence[PoolScope]) -> None:
+    """Count (and log) a newly queued job that several pools fit equally well."""
+    pools = tied(job, scopes)
+    if pools:
+        JOB_ROUTING_TIES.inc()
+        log.info(
+            "job %d of %s fits %d pools equally well; routed to the oldest, %s/%s (also: %s)",
+            job.id,
+            job.repository,
+            len(pools),
+            pools[0].namespace,
+            pools[0].name,
+            ", ".join(f"{p.namespace}/{p.name}" for p in pools[1:]),
+        )
+
+
+#: the states ``impvm_pool_vms`` is exported for
+STATES = ("starting", "idle", "busy", "terminating", "outdated")
+
 
 def record_pool(key: PoolKey, counts: Counts, created: int) -> None:
     """Export one pass's counts (``counts`` include the VMs it created)."""
@@ -63,3 +95,19 @@ def record_pool(key: PoolKey, counts: Counts, created: int) -> None:
         POOL_VMS.labels(ns, name, state).set(n)
     POOL_DESIRED.labels(ns, name).set(counts.desired)
     POOL_PENDING.labels(ns, name).set(counts.pending)
+
+
+def forget_pool(key: PoolKey) -> None:
+    """Remove a deleted pool's gauges: a gauge left behind reports a pool that is no more as
+    if it still held VMs (Prometheus keeps serving a label set until it is removed). Counters
+    and histograms stay (their rates end by themselves)."""
+    ns, name = key
+    for gauge, labels in (
+        *((POOL_VMS, (ns, name, state)) for state in STATES),
+        (POOL_DESIRED, (ns, name)),
+        (POOL_PENDING, (ns, name)),
+    ):
+        try:
+            gauge.remove(*labels)
+        except KeyError:
+            pass  # never exported

@@ -20,6 +20,11 @@ conditional (:mod:`impvm.operator.demand`).
 
 A scope no pool asked for during ``forget_seconds`` is dropped (its pools are gone or no longer
 poll).
+
+A poll that records a change of a job (a new queued job, one taken by a runner, one completed)
+wakes the pools it concerns (:func:`impvm.scaling.jobtable.concerned`), except the pools
+waiting for that poll (they read the job table when it answers them): a job one pool's poll
+finds for another pool of the installation is acted on at once, not at that pool's next tick.
 """
 
 from __future__ import annotations
@@ -28,15 +33,18 @@ import asyncio
 import datetime as dt
 import logging
 import math
-from collections.abc import Hashable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from impvm.api.models import PoolKey
 from impvm.api.times import Clock
 from impvm.github import GitHubClient, Scope
+from impvm.github.auth import CredentialIdentity
 from impvm.github.errors import GitHubError
 from impvm.operator.demand import RepoMemory, RepoRead, read_repo, scope_repositories
-from impvm.operator.metrics import POLL_CALLS
-from impvm.scaling.jobtable import JobTable
+from impvm.operator.metrics import POLL_CALLS, note_routing
+from impvm.scaling.jobtable import Job, JobTable, JobTables, PoolScope, concerned
 from impvm.scaling.pollbudget import Bucket, PollBudget, RateWindow, choose_repos
 
 __all__ = ["DEFAULT_INSTALLATION_LIMIT", "InstallationPoller", "PollReport", "Pollers"]
@@ -81,7 +89,8 @@ class PollReport:
 class InstallationPoller:
     """Polls GitHub for the jobs of every scope its pools ask for, through ``client`` (one
     installation's), into ``jobs``. ``clock`` gives wall and monotonic time; ``budget`` bounds
-    the requests (:class:`PollBudget`)."""
+    the requests (:class:`PollBudget`); ``scopes``: every pool as routing sees it; ``wake``:
+    makes a pool's loop run now (the pools a poll's job changes concern)."""
 
     def __init__(
         self,
@@ -90,9 +99,15 @@ class InstallationPoller:
         clock: Clock,
         budget: PollBudget,
         forget_seconds: float = 900.0,
+        scopes: Callable[[], Sequence[PoolScope]] | None = None,
+        wake: Callable[[PoolKey], None] | None = None,
     ) -> None:
         self.client = client
         self.jobs = jobs
+        self.scopes = scopes
+        self.wake = wake
+        #: the pools inside :meth:`poll` (they read the job table when it returns)
+        self._waiting: Counter[PoolKey] = Counter()
         self.clock = clock
         self.budget = budget
         self.forget_seconds = forget_seconds
@@ -118,22 +133,33 @@ class InstallationPoller:
         self._window = self._window.at(b.reset if b is not None else 0)
         return self._window.left(self.budget.rate_limit_share, limit)
 
-    async def poll(self, scope: Scope, since: float | None) -> PollReport:
+    async def poll(
+        self, scope: Scope, since: float | None, pool: PoolKey | None = None
+    ) -> PollReport:
         """A poll that covered ``scope`` and started at or after ``since`` (monotonic s; None:
-        any), running one when there is none. Never raises a GitHub error: the report carries
-        it. A cancelled caller does not cancel the shared poll."""
+        any), running one when there is none; ``pool``: the pool asking (it is not woken by
+        the polls it waits for). Never raises a GitHub error: the report carries it. A
+        cancelled caller does not cancel the shared poll."""
         self._asked[scope] = self.clock.monotonic()
-        while True:
-            last = self.last
-            if (
-                last is not None
-                and scope in last.scopes
-                and (since is None or last.started >= since)
-            ):
-                return last
-            if self._running is None:
-                self._running = asyncio.create_task(self._run())
-            await asyncio.shield(self._running)
+        if pool is not None:
+            self._waiting[pool] += 1
+        try:
+            while True:
+                last = self.last
+                if (
+                    last is not None
+                    and scope in last.scopes
+                    and (since is None or last.started >= since)
+                ):
+                    return last
+                if self._running is None:
+                    self._running = asyncio.create_task(self._run())
+                await asyncio.shield(self._running)
+        finally:
+            if pool is not None:
+                self._waiting[pool] -= 1
+                if self._waiting[pool] <= 0:
+                    del self._waiting[pool]
 
     def queued(self, scope: Scope) -> int:
         """Queued jobs the job table holds for ``scope``'s repositories."""
@@ -277,9 +303,15 @@ class InstallationPoller:
             return
         queued: set[int] = set()
         open_ids: set[int] = set()
+        changed: list[Job] = []
         for r in reads:
             for job in r.jobs:
-                self.jobs.apply(job)
+                new = job.id not in self.jobs.jobs
+                recorded = self.jobs.apply(job)
+                if recorded is not None:
+                    changed.append(recorded)
+                if new and recorded is not None and recorded.queued and self.scopes is not None:
+                    note_routing(recorded, self.scopes())
                 if job.queued:
                     queued.add(job.id)
                 if job.status != "completed":
@@ -287,24 +319,52 @@ class InstallationPoller:
         dropped = self.jobs.sweep([r.repository for r in reads], queued, started_at, open_ids)
         if dropped:
             log.info("poll: dropped %d stale job(s)", len(dropped))
+        self._wake_concerned(changed)
+
+    def _wake_concerned(self, changed: list[Job]) -> None:
+        """Wake the pools the changed jobs concern, but those waiting for this poll."""
+        if self.wake is None or self.scopes is None or not changed:
+            return
+        scopes = self.scopes()
+        woken = {key for job in changed for key in concerned(job, scopes)}
+        for key in sorted(woken - set(self._waiting)):
+            self.wake(key)
 
 
 class Pollers:
     """The pollers of one operator process: one per GitHub client (the provider hands out one
-    client per installation or PAT)."""
+    client per credential identity, so a poller's token is always its own credentials'), each
+    feeding the job table of its client's installation. ``scopes``: every pool as routing sees
+    it (to count jobs that several pools fit equally well, and to find the pools a job's change
+    concerns); ``wake``: makes a pool's loop run now."""
 
-    def __init__(self, jobs: JobTable, clock: Clock, budget: PollBudget) -> None:
+    def __init__(
+        self,
+        jobs: JobTables,
+        clock: Clock,
+        budget: PollBudget,
+        scopes: Callable[[], Sequence[PoolScope]] | None = None,
+        wake: Callable[[PoolKey], None] | None = None,
+    ) -> None:
         self.jobs = jobs
         self.clock = clock
         self.budget = budget
-        self._pollers: dict[Hashable, InstallationPoller] = {}
+        self.scopes = scopes
+        self.wake = wake
+        self._pollers: dict[CredentialIdentity, InstallationPoller] = {}
 
     def of(self, client: GitHubClient) -> InstallationPoller:
-        """The poller of ``client``'s installation (made on first use)."""
-        key = id(client)
-        poller = self._pollers.get(key)
+        """The poller of ``client`` (made on first use)."""
+        poller = self._pollers.get(client.identity)
         if poller is None or poller.client is not client:
-            poller = self._pollers[key] = InstallationPoller(
-                client, self.jobs, self.clock, self.budget
+            table = self.jobs.of(client.identity.installation)
+            poller = self._pollers[client.identity] = InstallationPoller(
+                client, table, self.clock, self.budget, scopes=self.scopes, wake=self.wake
             )
         return poller
+
+    def forget(self, client: GitHubClient) -> None:
+        """``client`` is retired (its key was rotated away): its poller goes with it."""
+        poller = self._pollers.get(client.identity)
+        if poller is not None and poller.client is client:
+            del self._pollers[client.identity]

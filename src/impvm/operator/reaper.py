@@ -1,38 +1,31 @@
-"""The reaper's imperative shell: one pass per pool over the VMs whose runner may have outlived
-its job, judged by the pure table in :mod:`impvm.reaper`.
+"""The reaper's shell: one pass per pool over the VMs whose runner may have outlived its job, in
+the pool pass's shape: observe -> decide (pure) -> execute (the shared executor) -> conclude
+(pure, :mod:`impvm.reaper.reap`).
 
-A pass (:func:`reap_pool`) for a pool with ``spec.reaper.enabled``:
+A pass (:meth:`Reaper.reap`) for a pool with ``spec.reaper.enabled``:
 
-1. lists the pool's ImpVMs (label ``imp.dev/runner-pool=<pool>``, controlled by the pool);
-2. asks :func:`impvm.reaper.needs_lookup` which of them need GitHub: idle VMs, VMs being deleted
-   and malformed job records are decided without any GitHub call;
-3. reads, for each remaining VM, its workflow run (and, when the run is not completed and a job
-   id is recorded, its job) with an installation token restricted to ``actions: read`` and
-   nothing else (:data:`REAPER_PERMISSIONS`). The first read mints the token, once per pass
-   (cached by the client for its lifetime, so later passes usually mint none); when it cannot
-   be minted the pass reads nothing else, **deletes nothing** and reports the error;
-4. judges each VM (:func:`impvm.reaper.judge`); a VM whose run or job could not be read is left
-   alone and counted as not judged, the others are still judged;
-5. deletes each VM judged ``delete``: its runner is deregistered first when a ``deregister``
-   client is given and the runner id is known (a 422 "still running a job" does not stop the
-   deletion: GitHub releases a hung job's runner once the VM is gone and the pool controller
-   sweeps the offline registration), then the ImpVM is deleted (its agent stops the VM). With
-   ``spec.reaper.dryRun`` it only logs "would delete" with the reason;
-6. reports: every deletion is logged and recorded as an Event on the pool naming the run, the
-   repository and the reason; the pool's ``Reaper`` condition says whether the last pass was
-   complete (True) or why not (False: ``TokenRefused``, ``NotJudged``, ``ListFailed``,
-   ``DeleteFailed``, ``CredentialsInvalid``), with a Warning Event when that changes.
-
-A VM is only deleted on a positive answer from GitHub. No message,
-log line or Event carries a secret: GitHub errors are redacted by :class:`GitHubClient` and ours
-name keys and ids only.
+1. reads the pool's ImpVMs (the operator's caches, or the API server; only those the pool
+   controls: never touch what this pool did not create);
+2. asks :func:`impvm.reaper.reap_lookups` which of them need GitHub (idle VMs, VMs being
+   deleted and malformed job records are decided without any call), then reads for each its
+   workflow run (and, when the run is not completed and a job id is recorded, its job) with an
+   installation token restricted to ``actions: read`` (:data:`REAPER_PERMISSIONS`). The first
+   read mints the token (cached by the client for its lifetime); when it cannot be minted the
+   pass reads nothing else and **deletes nothing**;
+3. judges each VM (:func:`impvm.reaper.reap_acts`; a VM whose run or job could not be read is
+   not judged);
+4. deletes each VM judged ``delete`` through :class:`~impvm.operator.execute.Executor`: its
+   runner deregistered first when a ``deregister`` client is given (a 422 "still running a job"
+   does not stop the deletion: GitHub releases a hung job's runner once the VM is gone); with
+   ``spec.reaper.dryRun`` it only logs "would delete";
+5. concludes (:func:`impvm.reaper.conclude_reap`): the pool's ``Reaper`` condition (written
+   when it changed) and Events, the decision metrics.
 
 Scheduling (:func:`reaper_loop`): one loop per pool (a kopf daemon), a pass every
 ``spec.reaper.intervalSeconds`` (default 300 s), so passes of one pool never overlap; a
-per-pool lock in this process also serialises direct calls of :func:`reap_pool` (held only while
-a pass runs, so the locks of pools long gone take no memory). The loop gets its client from the
-operator's :class:`~impvm.operator.credentials.GitHubProvider`: one token cache per
-installation, shared with the pool controller.
+:class:`Reaper` also serialises direct calls of one pool's passes (locks held only while a pass
+runs). The loop's client comes from the operator's
+:class:`~impvm.operator.credentials.GitHubProvider` (one token cache per installation).
 
 Kubernetes permissions a pass needs in the pool's namespace (``deploy/rbac/reaper.yaml``):
 list/watch/get/delete ImpVMs, get ImpVMRunnerPools, patch ``impvmrunnerpools/status``, get the
@@ -46,27 +39,16 @@ import datetime as dt
 import logging
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any, Final
 
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
-from lightkube.types import PatchType
-from pydantic import ValidationError
 
-from impvm.api.conditions import ConditionSet
-from impvm.api.models import (
-    API_VERSION,
-    POOL_LABEL,
-    ImpVM,
-    ImpVMRunnerPool,
-    PoolKey,
-    ReaperSpec,
-)
-from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.api.times import utcnow
+from impvm.api.models import PoolKey
+from impvm.api.resources import ImpVMRunnerPoolResource
 from impvm.events import EventRecorder
-from impvm.github import DeleteOutcome, GitHubClient, Scope
+from impvm.github import GitHubClient
 from impvm.github.errors import (
     BadCredentials,
     CredentialsError,
@@ -75,37 +57,37 @@ from impvm.github.errors import (
     PermissionNotGranted,
 )
 from impvm.operator.context import OperatorContext
+from impvm.operator.execute import Executor
 from impvm.operator.metrics import REAPER_DECISIONS
+from impvm.operator.sources import KubeSource
 from impvm.reaper import (
-    Action,
+    CONDITION_TYPE,
+    Answer,
     JobInfo,
     Lookup,
-    ReapVM,
+    ReapEvent,
+    ReapReport,
+    ReapWorld,
     RunInfo,
-    Verdict,
-    judge,
-    lookup_failed,
-    needs_lookup,
+    conclude_reap,
+    reap_acts,
+    reap_lookups,
 )
+from impvm.scaling.poolpass import DeleteVM, EventSpec, PoolObj
 
 __all__ = [
     "CONDITION_TYPE",
     "REAPER_PERMISSIONS",
-    "ReapOutcome",
-    "ReapReport",
+    "Reaper",
     "reap_pool",
     "reaper_enabled",
     "reaper_loop",
-    "record_report",
 ]
 
 log = logging.getLogger("impvm.operator.reaper")
 
-#: The only permission of the installation token a pass mints (an ``actions: read``
-#: installation token: least privilege for reading runs and jobs).
+#: The only permission of the installation token a pass mints (least privilege).
 REAPER_PERMISSIONS: Final[Mapping[str, str]] = {"actions": "read"}
-#: Type of the pool condition reporting the last pass.
-CONDITION_TYPE: Final = "Reaper"
 #: Templated endpoint of the token exchange (what a mint failure's ``endpoint`` says).
 TOKEN_ENDPOINT: Final = "/app/installations/{installation_id}/access_tokens"
 #: Reporting component of the reaper's Events.
@@ -116,81 +98,6 @@ LOOKUP_CONCURRENCY: Final = 4
 DEFAULT_INTERVAL_SECONDS: Final = 300
 #: Seconds before a pass that failed with an unexpected error is retried.
 ERROR_RETRY_SECONDS: Final = 30.0
-
-#: One lock per pool while a pass of it runs (weak: a lock nobody holds is forgotten).
-_locks: weakref.WeakValueDictionary[PoolKey, asyncio.Lock] = weakref.WeakValueDictionary()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReapOutcome:
-    """What a pass did with one VM: ``verdict`` (action, table rule, reason sentence), the
-    recorded ``run_id``/``repository``/``runner_id`` (None when not recorded), and for a
-    deleted VM the deregistration outcome (``deleted``, ``busy``, ``not_found``, ``failed``;
-    None when not attempted)."""
-
-    vm: str
-    verdict: Verdict
-    run_id: int | None = None
-    repository: str | None = None
-    runner_id: int | None = None
-    deregistration: str | None = None
-
-
-@dataclass(slots=True, kw_only=True)
-class ReapReport:
-    """Result of one pass over pool ``namespace/pool``.
-
-    - ``deleted``: VMs deleted; ``would_delete``: VMs a dry run would have deleted;
-    - ``kept``: VMs judged to stay (idle, running within the bound, inside the grace, deleting);
-    - ``unjudged``: VMs left alone because their record is malformed or GitHub could not be
-      read for them (``not_judged`` is their count);
-    - ``failed``: VMs judged ``delete`` whose deletion the API server refused;
-    - ``error`` / ``error_reason``: why the pass as a whole did nothing (token not minted, VMs
-      not listable, credentials unreadable); None when it ran;
-    - ``skipped``: the pool's reaper is not enabled (nothing was read or written).
-    """
-
-    namespace: str
-    pool: str
-    dry_run: bool = False
-    deleted: list[ReapOutcome] = field(default_factory=list)
-    would_delete: list[ReapOutcome] = field(default_factory=list)
-    kept: list[ReapOutcome] = field(default_factory=list)
-    unjudged: list[ReapOutcome] = field(default_factory=list)
-    failed: list[ReapOutcome] = field(default_factory=list)
-    error: str | None = None
-    error_reason: str | None = None
-    skipped: bool = False
-
-    @property
-    def not_judged(self) -> int:
-        """How many VMs were not judged."""
-        return len(self.unjudged)
-
-    @property
-    def complete(self) -> bool:
-        """Whether every VM was judged and every decision carried out."""
-        return self.error is None and not self.unjudged and not self.failed
-
-    def summary(self) -> str:
-        """One sentence for the condition message and logs (no secrets)."""
-        if self.error is not None:
-            return self.error
-        parts = [
-            f"deleted {len(self.deleted)}",
-            f"kept {len(self.kept)}",
-            f"not judged {self.not_judged}",
-        ]
-        if self.dry_run:
-            parts.insert(1, f"would delete {len(self.would_delete)} (dry run)")
-        if self.failed:
-            parts.append(f"deletion failed {len(self.failed)}")
-        text = "last pass: " + ", ".join(parts)
-        if self.unjudged:
-            text += "; " + "; ".join(o.verdict.reason for o in self.unjudged[:3])
-        if self.failed:
-            text += "; " + "; ".join(o.verdict.reason for o in self.failed[:3])
-        return text
 
 
 class _TokenNotMinted(Exception):
@@ -215,12 +122,155 @@ def reaper_enabled(spec: Mapping[str, Any], **_: Any) -> bool:
     return bool(reaper.get("enabled"))
 
 
-def _reaper_spec(raw: Mapping[str, Any]) -> ReaperSpec | None:
-    return ImpVMRunnerPool.model_validate(raw).spec.reaper
+class Reaper:
+    """Reaper passes through one Kubernetes client (``sources``: the operator's caches, else
+    API reads). ``locks`` serialise the passes of one pool while they run (weak: a lock nobody
+    holds is forgotten, so pools that come and go leave nothing behind)."""
 
+    def __init__(
+        self,
+        kube: AsyncClient,
+        *,
+        sources: KubeSource | None = None,
+        recorder: EventRecorder | None = None,
+    ) -> None:
+        self.kube = kube
+        self.sources = sources or KubeSource(kube)
+        self.recorder = recorder or EventRecorder(kube, component=COMPONENT)
+        self.locks: weakref.WeakValueDictionary[PoolKey, asyncio.Lock] = (
+            weakref.WeakValueDictionary()
+        )
 
-# --------------------------------------------------------------------------------------------
-# One pass
+    async def reap(
+        self,
+        github: GitHubClient | None,
+        pool: Any,
+        now: dt.datetime,
+        *,
+        deregister: GitHubClient | None = None,
+        error: tuple[str, str] | None = None,
+    ) -> ReapReport:
+        """One pass over ``pool`` (a dict as the API server returns it, or a lightkube resource)
+        (see the module docstring). ``github``: the pool's client, of which only the ``actions:
+        read`` view is used; ``deregister``: a client allowed to delete runners (without it
+        registrations are left to the pool controller's orphan sweep); ``now``: the pass's clock
+        reading; ``error``: ``(reason, message)`` when the pass cannot run at all (it then
+        only reports). A disabled reaper touches nothing (``skipped``). Kubernetes errors other
+        than those reported propagate; GitHub errors never do."""
+        obj = PoolObj.from_body(_as_dict(pool))
+        spec = obj.spec.reaper
+        if spec is None or not spec.enabled:
+            return ReapReport(namespace=obj.namespace, pool=obj.name, skipped=True)
+        lock = self.locks.get(obj.key)
+        if lock is None:
+            lock = self.locks[obj.key] = asyncio.Lock()
+        async with lock:
+            world = await self._observe(github, obj, now, error)
+            acts = reap_acts(world)
+            executor = Executor(
+                self.kube, obj, gh=deregister, recorder=self.recorder, sources=self.sources
+            )
+            done: dict[str, tuple[str | None, bool]] = {}
+            for o in acts.delete:
+                d = await executor.delete(
+                    DeleteVM(
+                        name=o.vm,
+                        runner_id=o.runner_id,
+                        deregister=deregister is not None,
+                        keep_if_busy=False,
+                    )
+                )
+                dereg = d.deregistration.value if d.deregistration is not None else None
+                done[o.vm] = (dereg, d.gone)
+            end = conclude_reap(world, acts, done)
+            await self._report(executor, end.report, end.condition, end.events)
+        for o in acts.outcomes:
+            REAPER_DECISIONS.labels(obj.namespace, obj.name, o.verdict.action, o.verdict.rule).inc()
+        return end.report
+
+    async def _observe(
+        self,
+        github: GitHubClient | None,
+        pool: PoolObj,
+        now: dt.datetime,
+        error: tuple[str, str] | None,
+    ) -> ReapWorld:
+        """The pool's controlled VMs, then GitHub's answers for those that need one."""
+        assert pool.spec.reaper is not None
+        world = ReapWorld(
+            namespace=pool.namespace,
+            pool=pool.name,
+            spec=pool.spec.reaper,
+            now=now,
+            stored_status=pool.stored_status,
+            generation=pool.generation,
+        )
+        if error is not None:
+            return replace(world, error_reason=error[0], error=error[1])
+        try:
+            found = await self.sources.vms(pool)
+        except ApiError as e:
+            text = f"listing the pool's ImpVMs failed (HTTP {e.status.code}); deleted nothing"
+            return replace(world, error_reason="ListFailed", error=text)
+        vms = tuple(v for v in found if v.controller_uid == pool.uid)
+        world = replace(world, vms=vms)
+        lookups = reap_lookups(vms)
+        if not lookups or github is None:
+            return world
+        reader = github.with_permissions(REAPER_PERMISSIONS)
+        answers: dict[str, Answer] = {}
+        try:
+            answers[lookups[0][0].name] = await _read(reader, lookups[0][1], first=True)
+        except _TokenNotMinted as e:
+            refused = (PermissionNotGranted, BadCredentials, InstallationUnavailable)
+            reason = "TokenRefused" if isinstance(e.error, refused) else "TokenUnavailable"
+            unread = {vm.name: "no installation token" for vm, _ in lookups}
+            return replace(
+                world, answers=unread, error_reason=reason, error=_token_message(e.error)
+            )
+        sem = asyncio.Semaphore(LOOKUP_CONCURRENCY)
+
+        async def bounded(lookup: Lookup) -> Answer:
+            async with sem:
+                return await _read(reader, lookup, first=False)
+
+        rest = await asyncio.gather(*(bounded(lk) for _, lk in lookups[1:]))
+        answers |= {vm.name: a for (vm, _), a in zip(lookups[1:], rest, strict=True)}
+        return replace(world, answers=answers)
+
+    async def _report(
+        self,
+        executor: Executor,
+        report: ReapReport,
+        condition: dict[str, Any] | None,
+        events: tuple[ReapEvent, ...],
+    ) -> None:
+        """Log the pass, write its condition when it changed, record its Events (Kubernetes
+        failures are logged, not raised: the next pass reports again)."""
+        ns, name = report.namespace, report.pool
+        for o in report.would_delete:
+            log.info(
+                "pool %s/%s: would delete VM %s (dry run): %s", ns, name, o.vm, o.verdict.reason
+            )
+        for o in report.deleted:
+            log.info("pool %s/%s: reaped VM %s: %s", ns, name, o.vm, o.verdict.reason)
+        if not report.complete:
+            reason = report.error_reason or ("NotJudged" if report.unjudged else "DeleteFailed")
+            log.warning("pool %s/%s: reaper %s: %s", ns, name, reason, report.summary())
+        else:
+            log.info("pool %s/%s: reaper: %s", ns, name, report.summary())
+        if condition is not None:
+            try:
+                await executor.write_status(None, [condition])
+            except ApiError as e:
+                log.warning(
+                    "pool %s/%s: cannot write the Reaper condition (HTTP %s)",
+                    ns,
+                    name,
+                    e.status.code,
+                )
+        for ev in events:
+            await executor.event(EventSpec(ev.reason, ev.message, ev.warning))
 
 
 async def reap_pool(
@@ -231,186 +281,18 @@ async def reap_pool(
     *,
     deregister: GitHubClient | None = None,
 ) -> ReapReport:
-    """One reaper pass over ``pool`` (a dict as the API server returns it, or a lightkube
-    resource with ``to_dict``): see the module docstring for the steps.
-
-    ``github``: a client for the pool's credentials; the pass uses only its
-    ``with_permissions({"actions": "read"})`` view. ``deregister``: optional client allowed to
-    delete runners (``organization_self_hosted_runners: write`` or ``administration: write``);
-    without it registrations are left to the pool controller's orphan sweep. ``now``: the
-    pass's clock reading (timezone-aware). Thresholds come from ``spec.reaper`` (seconds).
-
-    Returns the :class:`ReapReport` and records it on the pool (condition ``Reaper``, Events).
-    A disabled reaper returns a report with ``skipped`` and touches nothing. Kubernetes errors
-    other than those reported (listing, deleting) propagate as ``ApiError``; GitHub errors
-    never propagate.
-    """
-    raw = _as_dict(pool)
-    meta = raw["metadata"]
-    ns, name = str(meta["namespace"]), str(meta["name"])
-    spec = _reaper_spec(raw)
-    if spec is None or not spec.enabled:
-        return ReapReport(namespace=ns, pool=name, skipped=True)
-    key = PoolKey(ns, name)
-    lock = _locks.get(key)
-    if lock is None:
-        lock = _locks[key] = asyncio.Lock()
-    async with lock:
-        report = await _pass(kube, github, raw, spec, now, deregister)
-        await record_report(kube, raw, report, now)
-    for group in (report.deleted, report.would_delete, report.kept, report.unjudged, report.failed):
-        for o in group:
-            REAPER_DECISIONS.labels(ns, name, o.verdict.action, o.verdict.rule).inc()
-    return report
+    """One reaper pass over ``pool`` (:meth:`Reaper.reap` of a reaper of its own)."""
+    return await Reaper(kube).reap(github, pool, now, deregister=deregister)
 
 
-async def _pass(
-    kube: AsyncClient,
-    github: GitHubClient,
-    raw: dict[str, Any],
-    spec: ReaperSpec,
-    now: dt.datetime,
-    deregister: GitHubClient | None,
-) -> ReapReport:
-    meta = raw["metadata"]
-    ns, name, uid = str(meta["namespace"]), str(meta["name"]), str(meta["uid"])
-    report = ReapReport(namespace=ns, pool=name, dry_run=spec.dry_run)
-
-    # 1. the pool's VMs (only those it controls: never touch what this pool did not create)
-    try:
-        objs = [
-            o.to_dict()
-            async for o in kube.list(ImpVMResource, namespace=ns, labels={POOL_LABEL: name})
-        ]
-    except ApiError as e:
-        report.error_reason = "ListFailed"
-        report.error = f"listing the pool's ImpVMs failed (HTTP {e.status.code}); deleted nothing"
-        return report
-    vms = [o for o in objs if _controlled_by(o, uid)]
-
-    # 2. decisions without GitHub
-    pending: list[tuple[ReapVM, Lookup, int | None]] = []
-    for o in vms:
-        vm, runner_id = _reap_vm(o)
-        first = needs_lookup(vm)
-        if isinstance(first, Verdict):
-            _file(report, ReapOutcome(vm=vm.name, verdict=first, runner_id=runner_id))
-        else:
-            pending.append((vm, first, runner_id))
-    if not pending:
-        return report
-
-    # 3. GitHub reads, restricted to actions: read; the first one mints the token
-    reader = github.with_permissions(REAPER_PERMISSIONS)
-    results: list[tuple[RunInfo, JobInfo | None] | GitHubError] = []
-    try:
-        results.append(await _read(reader, pending[0][1], first=True))
-    except _TokenNotMinted as e:
-        refused = (PermissionNotGranted, BadCredentials, InstallationUnavailable)
-        report.error_reason = "TokenRefused" if isinstance(e.error, refused) else "TokenUnavailable"
-        report.error = _token_message(e.error)
-        for vm, lookup, runner_id in pending:
-            verdict = lookup_failed(vm, lookup, "no installation token")
-            report.unjudged.append(_outcome(vm, verdict, lookup, runner_id))
-        return report
-    sem = asyncio.Semaphore(LOOKUP_CONCURRENCY)
-
-    async def bounded(lookup: Lookup) -> tuple[RunInfo, JobInfo | None] | GitHubError:
-        async with sem:
-            return await _read(reader, lookup, first=False)
-
-    results += await asyncio.gather(*(bounded(lk) for _, lk, _ in pending[1:]))
-
-    # 4. judge, 5. act
-    scope = _scope(raw)
-    for (vm, lookup, runner_id), result in zip(pending, results, strict=True):
-        if isinstance(result, GitHubError):
-            verdict = lookup_failed(vm, lookup, str(result))
-        else:
-            run, job = result
-            verdict = judge(
-                vm,
-                run,
-                job,
-                now,
-                max_job_seconds=spec.max_job_seconds,
-                completed_grace_seconds=spec.completed_grace_seconds,
-            )
-        outcome = _outcome(vm, verdict, lookup, runner_id)
-        if verdict.action is not Action.DELETE:
-            _file(report, outcome)
-        elif spec.dry_run:
-            log.info(
-                "pool %s/%s: would delete VM %s (dry run): %s", ns, name, vm.name, verdict.reason
-            )
-            report.would_delete.append(outcome)
-        else:
-            await _delete(kube, raw, report, outcome, deregister, scope)
-    return report
-
-
-def _controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
-    refs = obj.get("metadata", {}).get("ownerReferences") or []
-    return any(r.get("uid") == uid and r.get("controller") for r in refs)
-
-
-def _reap_vm(obj: Mapping[str, Any]) -> tuple[ReapVM, int | None]:
-    meta = obj["metadata"]
-    name = str(meta["name"])
-    deleting = bool(meta.get("deletionTimestamp"))
-    try:
-        status = ImpVM.model_validate(obj).status
-    except ValidationError:
-        # the API server validated the object, so this is a record we cannot read: not judged
-        job = (obj.get("status") or {}).get("job") or {}
-        return (
-            ReapVM(
-                name=name,
-                deleting=deleting,
-                workflow_run_id=job.get("workflowRunId", "unreadable"),
-                repository=None,
-            ),
-            None,
-        )
-    runner_id = status.runner.id if status is not None and status.runner else None
-    return ReapVM.from_status(name=name, deleting=deleting, status=status), runner_id
-
-
-def _file(report: ReapReport, outcome: ReapOutcome) -> None:
-    if outcome.verdict.action is Action.NOT_JUDGED:
-        report.unjudged.append(outcome)
-    else:
-        report.kept.append(outcome)
-
-
-def _outcome(vm: ReapVM, verdict: Verdict, lookup: Lookup, runner_id: int | None) -> ReapOutcome:
-    return ReapOutcome(
-        vm=vm.name,
-        verdict=verdict,
-        run_id=lookup.run_id,
-        repository=lookup.repository,
-        runner_id=runner_id,
-    )
-
-
-def _scope(raw: Mapping[str, Any]) -> Scope | None:
-    scope = ImpVMRunnerPool.model_validate(raw).spec.platform.scope
-    try:
-        return Scope(org=scope.org, repo=scope.repo)
-    except ValueError:
-        return None
-
-
-async def _read(
-    reader: GitHubClient, lookup: Lookup, *, first: bool
-) -> tuple[RunInfo, JobInfo | None] | GitHubError:
+async def _read(reader: GitHubClient, lookup: Lookup, *, first: bool) -> Answer:
     """GET the run and, when it is not completed and a job id is known, the job. Returns what
-    was read or the error (a 404 becomes a :class:`NotFound`-like error text). Raises
-    :class:`_TokenNotMinted` when ``first`` and the token exchange failed."""
+    was read or why it could not be. Raises :class:`_TokenNotMinted` when ``first`` and the
+    token exchange failed."""
     try:
         run = await reader.get_run(lookup.repository, lookup.run_id)
         if run is None:
-            return GitHubError(f"run {lookup.run_id} not found (404)", status=404)
+            return f"run {lookup.run_id} not found (404)"
         info = RunInfo(
             status=run.status or "unknown", conclusion=run.conclusion, updated_at=run.updated_at
         )
@@ -418,7 +300,7 @@ async def _read(
             return info, None
         job = await reader.get_job(lookup.repository, lookup.job_id)
         if job is None:
-            return GitHubError(f"job {lookup.job_id} not found (404)", status=404)
+            return f"job {lookup.job_id} not found (404)"
         return info, JobInfo(
             status=job.status,
             conclusion=job.conclusion,
@@ -428,7 +310,7 @@ async def _read(
     except GitHubError as e:
         if first and e.endpoint == TOKEN_ENDPOINT:
             raise _TokenNotMinted(e) from None
-        return e
+        return str(e)
 
 
 def _token_message(err: GitHubError) -> str:
@@ -449,162 +331,6 @@ def _token_message(err: GitHubError) -> str:
     )
 
 
-async def _delete(
-    kube: AsyncClient,
-    raw: Mapping[str, Any],
-    report: ReapReport,
-    outcome: ReapOutcome,
-    deregister: GitHubClient | None,
-    scope: Scope | None,
-) -> None:
-    ns, name = report.namespace, report.pool
-    dereg: str | None = None
-    if deregister is not None and scope is not None and outcome.runner_id is not None:
-        try:
-            result = await deregister.delete_runner(scope, outcome.runner_id)
-            dereg = result.value
-        except GitHubError as e:
-            dereg = "failed"
-            log.info(
-                "pool %s/%s: runner %s of VM %s not deregistered (%s); deleting the VM anyway",
-                ns,
-                name,
-                outcome.runner_id,
-                outcome.vm,
-                e,
-            )
-    done = ReapOutcome(
-        vm=outcome.vm,
-        verdict=outcome.verdict,
-        run_id=outcome.run_id,
-        repository=outcome.repository,
-        runner_id=outcome.runner_id,
-        deregistration=dereg,
-    )
-    try:
-        await kube.delete(ImpVMResource, outcome.vm, namespace=ns)
-    except ApiError as e:
-        if e.status.code != 404:
-            log.warning(
-                "pool %s/%s: deleting VM %s failed (HTTP %s)", ns, name, outcome.vm, e.status.code
-            )
-            report.failed.append(done)
-            return
-    report.deleted.append(done)
-    runner = f"runner {outcome.runner_id}" if outcome.runner_id is not None else "no runner id"
-    dereg_text = {
-        None: "",
-        DeleteOutcome.DELETED.value: ", runner deregistered",
-        DeleteOutcome.BUSY.value: ", runner still busy at GitHub (released when its job ends)",
-        DeleteOutcome.NOT_FOUND.value: ", runner already deregistered",
-        "failed": ", runner deregistration failed",
-    }[dereg]
-    message = (
-        f"deleted VM {outcome.vm} ({runner}{dereg_text}): run {outcome.run_id} in "
-        f"{outcome.repository}, rule {outcome.verdict.rule}: {outcome.verdict.reason}"
-    )
-    log.info("pool %s/%s: %s", ns, name, message)
-    await _event(kube, raw, "RunnerReaped", message)
-
-
-# --------------------------------------------------------------------------------------------
-# Reporting
-
-
-async def record_report(
-    kube: AsyncClient, pool: Any, report: ReapReport, now: dt.datetime | None = None
-) -> None:
-    """Write the pool's ``Reaper`` condition from ``report`` (a status merge patch carrying the
-    pool's other conditions unchanged, guarded by ``resourceVersion`` and retried on conflict)
-    and, when the condition's status, reason or message changed to a failure, a Warning Event.
-    ``now`` is when the pass ran (default: now). A skipped report writes nothing. Kubernetes
-    failures are logged, not raised."""
-    if report.skipped:
-        return
-    now = now or utcnow()
-    raw = _as_dict(pool)
-    ns, name = report.namespace, report.pool
-    if report.error is not None:
-        ok, reason = False, report.error_reason or "Failed"
-    elif report.unjudged:
-        ok, reason = False, "NotJudged"
-    elif report.failed:
-        ok, reason = False, "DeleteFailed"
-    else:
-        ok, reason = True, "PassComplete"
-    message = report.summary()
-    if not report.complete:
-        log.warning("pool %s/%s: reaper %s: %s", ns, name, reason, message)
-    else:
-        log.info("pool %s/%s: reaper: %s", ns, name, message)
-    changed = False
-    for _ in range(5):
-        try:
-            fresh = (await kube.get(ImpVMRunnerPoolResource, name, namespace=ns)).to_dict()
-        except ApiError as e:
-            if e.status.code != 404:
-                log.warning("pool %s/%s: cannot read the pool (HTTP %s)", ns, name, e.status.code)
-            return
-        fmeta = fresh["metadata"]
-        conds = ConditionSet.from_status(fresh.get("status"), int(fmeta.get("generation", 0)))
-        before = next((c for c in conds.as_list() if c["type"] == CONDITION_TYPE), None)
-        conds.set(CONDITION_TYPE, ok, reason, message, now)
-        after = next(c for c in conds.as_list() if c["type"] == CONDITION_TYPE)
-        changed = before is None or any(
-            before.get(k) != after[k] for k in ("status", "reason", "message")
-        )
-        if not changed:
-            break
-        patch = {
-            "metadata": {"resourceVersion": fmeta["resourceVersion"]},
-            "status": {"conditions": conds.as_list()},
-        }
-        try:
-            await kube.patch(
-                ImpVMRunnerPoolResource.Status,
-                name,
-                patch,
-                namespace=ns,
-                patch_type=PatchType.MERGE,
-            )
-            break
-        except ApiError as e:
-            if e.status.code == 409:
-                continue
-            if e.status.code != 404:
-                log.warning(
-                    "pool %s/%s: cannot write the Reaper condition (HTTP %s)",
-                    ns,
-                    name,
-                    e.status.code,
-                )
-            return
-    if changed and not ok:
-        await _event(kube, raw, f"Reaper{reason}", message, warning=True)
-
-
-async def _event(
-    kube: AsyncClient, pool: Mapping[str, Any], reason: str, message: str, warning: bool = False
-) -> None:
-    """A core/v1 Event about the pool (:class:`impvm.events.EventRecorder`: message cut to
-    1 KiB, failures logged only)."""
-    meta = pool["metadata"]
-    await EventRecorder(kube, component=COMPONENT).record(
-        api_version=API_VERSION,
-        kind="ImpVMRunnerPool",
-        namespace=meta["namespace"],
-        name=meta["name"],
-        uid=meta.get("uid", ""),
-        reason=reason,
-        message=message,
-        warning=warning,
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# The loop
-
-
 async def reaper_loop(
     ctx: OperatorContext,
     key: PoolKey,
@@ -613,43 +339,37 @@ async def reaper_loop(
 ) -> None:
     """Reaper passes for pool ``key`` until it is deleted: a pass, then ``spec.reaper.
     intervalSeconds`` of sleep (re-read each time). A pool whose reaper is disabled is only
-    re-checked at that interval. One loop per pool: passes never overlap. The loop gets its
-    client from the operator's provider (the pool's installation's, shared with the pool
-    controller), so the ``actions: read`` token is minted about once an hour, not once per
-    pass. Unexpected errors are logged and the pass is retried after 30 s. Returns when the
-    pool is gone or being deleted."""
-    ns, name = key
+    re-checked at that interval. The client comes from the operator's provider (the pool's
+    installation's, shared with the pool controller), so the ``actions: read`` token is minted
+    about once an hour. Unexpected errors are logged and the pass is retried after 30 s.
+    Returns when the pool is gone or being deleted."""
+    ns, name = PoolKey(*key)
+    reaper = Reaper(ctx.kube, sources=ctx.sources)
     while True:
         try:
-            raw = (await ctx.kube.get(ImpVMRunnerPoolResource, name, namespace=ns)).to_dict()
+            raw = await ctx.sources.get(ImpVMRunnerPoolResource, name, ns)
         except ApiError as e:
-            if e.status.code == 404:
-                return
             log.warning(
                 "pool %s/%s: reaper cannot read the pool (HTTP %s)", ns, name, e.status.code
             )
             await sleep(ERROR_RETRY_SECONDS)
             continue
-        if raw["metadata"].get("deletionTimestamp"):
+        if raw is None or raw["metadata"].get("deletionTimestamp"):
             return
-        spec = _reaper_spec(raw)
-        interval = float(spec.interval_seconds if spec else DEFAULT_INTERVAL_SECONDS)
-        if spec is None or not spec.enabled:
+        spec = PoolObj.from_body(raw).spec
+        interval = float(spec.reaper.interval_seconds if spec.reaper else DEFAULT_INTERVAL_SECONDS)
+        if spec.reaper is None or not spec.reaper.enabled:
             await sleep(interval)
             continue
         now = ctx.clock.now()
         try:
-            platform = ImpVMRunnerPool.model_validate(raw).spec.platform
-            client = await ctx.github.client(ns, platform)
-            await reap_pool(ctx.kube, client, raw, now, deregister=client)
-        except CredentialsError as e:
-            report = ReapReport(
-                namespace=ns,
-                pool=name,
-                error=f"{e}; deleted nothing",
-                error_reason="CredentialsInvalid",
-            )
-            await record_report(ctx.kube, raw, report, now)
+            try:
+                client = await ctx.github.client(ns, spec.platform)
+            except CredentialsError as e:
+                error = ("CredentialsInvalid", f"{e}; deleted nothing")
+                await reaper.reap(None, raw, now, error=error)
+            else:
+                await reaper.reap(client, raw, now, deregister=client)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a failed pass is retried; messages carry no secrets

@@ -62,8 +62,9 @@ class _Entry:
 
 
 class RunnerDirectory:
-    """Shared runner lists, keyed by (client, scope): one client per installation or PAT
-    (:class:`~impvm.operator.credentials.GitHubProvider`)."""
+    """Shared runner lists, keyed by (client, scope): one client per credential identity
+    (:class:`~impvm.operator.credentials.GitHubProvider`), so a list read with one key is
+    never handed to a pool holding another."""
 
     def __init__(self, error_reuse_seconds: float = 2.0) -> None:
         self.error_reuse_seconds = error_reuse_seconds
@@ -136,6 +137,11 @@ class RunnerDirectory:
         monotonic ``mono``: it uses no list begun before then."""
         entry = self._entry(client, scope)
         entry.changed[prefix] = max(mono, entry.changed.get(prefix, mono))
+
+    def forget_client(self, client: GitHubClient) -> None:
+        """``client`` is retired (its key was rotated away): its lists go with it."""
+        for key in [k for k in self._entries if k[0] is client]:
+            del self._entries[key]
 
     def forget(self, prefix: str) -> None:
         """A pool is gone: drop what was kept for it."""

@@ -11,26 +11,32 @@ operator is cluster-wide), and the most objects each holds (:data:`MAX_OBJECTS`)
 
 * ImpVMRunnerPools, ImpVMTemplates, ImpVMClasses: whole objects (as dicts);
 * ImpVMs labelled ``imp.dev/runner-pool``: parsed once per change into
-  :class:`~impvm.scaling.world.VMObj`, indexed by pool;
+  :class:`~impvm.api.vm.VM` (the one VM read model), indexed by pool;
 * Secrets labelled ``imp.dev/runner-pool`` (the VMs' JIT Secrets): their names only, indexed by
   pool (the JIT config itself is never held);
-* every other Secret (credentials, webhook and verify-key Secrets): name, resourceVersion and
-  the data values of at most :data:`SECRET_VALUE_MAX_BYTES` (larger values, e.g. Helm release
-  payloads, are left out: no key the operator reads is that large);
-* agent Leases (by label, any namespace), parsed into :class:`~impvm.scaling.nodes.NodeLease`.
+* **only the Secrets a pool or template names** (credentials, webhook and verify-key Secrets,
+  :func:`named_secrets`): each watched by name (a field selector ``metadata.name``, like the
+  kubelet's watch-based Secret manager), so no other Secret is ever listed, read or held; of
+  each, name, resourceVersion and the data values of at most :data:`SECRET_VALUE_MAX_BYTES`;
+* agent Leases (by label, in the agents' Lease namespace only: a Lease elsewhere is a tenant's,
+  never a node's), parsed into :class:`~impvm.scaling.nodes.NodeLease`.
+
+VMs and JIT Secrets carry a label anyone with edit rights in a namespace can set, so those caches
+hold at most :data:`MAX_PER_NAMESPACE` objects of one namespace: a namespace that makes more
+fills its own share, never another's.
 
 Consistency (what makes a pass decided from caches as sound as one decided from lists):
 
 * **own writes**: the executor hands every object a write returned to :meth:`CachedSource.written`
   (VM create and patches, JIT Secret create, pool status patch) and marks a VM it deleted
   (:meth:`CachedSource.vm_deleted`); the next pass never decides on the state before them;
-* **ordering with GitHub's registrations** (:mod:`impvm.scaling.pool`: registrations are read
-  before the VMs, so every registration seen has its VM): every VM this operator creates is in
-  the VM cache the moment its create returns, before its JIT registration is requested, and the
-  watch only adds newer state. A runner list whose request started before a read of the VM cache
-  therefore never holds a registration whose VM the cache lacks. The runner directory
-  (:mod:`impvm.operator.runners`) keeps the other half: no list older than the pool's last
-  registration change is used;
+* **ordering with GitHub's registrations** (:mod:`impvm.scaling.poolpass.sizing`:
+  registrations are read before the VMs, so every registration seen has its VM): every VM this
+  operator creates is in the VM cache the moment its create returns, before its JIT
+  registration is requested, and the watch only adds newer state. A runner list whose request
+  started before a read of the VM cache therefore never holds a registration whose VM the cache
+  lacks. The runner directory (:mod:`impvm.operator.runners`) keeps the other half: no list
+  older than the pool's last registration change is used;
 * **first list**: a read waits for its cache's first complete list (up to
   :data:`SYNC_TIMEOUT_SECONDS`; after that the read goes to the API server, e.g. when RBAC
   refuses the list, and says so in the log).
@@ -46,6 +52,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -54,18 +61,25 @@ from lightkube import AsyncClient
 from lightkube import operators as op
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import Secret
+from lightkube.resources.core_v1 import Namespace, Secret
 
-from impvm.api.models import AGENT_LEASE_LABEL, AGENT_LEASE_PREFIX, POOL_LABEL
+from impvm.api.models import (
+    AGENT_LEASE_LABEL,
+    AGENT_LEASE_NAMESPACE,
+    AGENT_LEASE_PREFIX,
+    POOL_LABEL,
+)
 from impvm.api.resources import (
     ImpVMClassResource,
     ImpVMResource,
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
+from impvm.api.times import parse_time
+from impvm.api.vm import VM
 from impvm.operator.metrics import VM_LIFETIME
 from impvm.scaling.nodes import NodeLease
-from impvm.scaling.world import PoolObj, VMObj, parse_time
+from impvm.scaling.poolpass.world import PoolObj
 from impvm.watchcache import Key, WatchCache, key_of
 
 log = logging.getLogger("impvm.operator.sources")
@@ -78,9 +92,21 @@ MAX_OBJECTS = {
     "classes": 1_000,
     "vms": 20_000,
     "jit-secrets": 20_000,
-    "secrets": 5_000,
     "leases": 5_000,
 }
+#: The most VMs and JIT Secrets of one namespace a cache holds.
+MAX_PER_NAMESPACE = {"vms": 5_000, "jit-secrets": 5_000}
+#: Secrets watched by name: in one namespace, and in all. A Secret beyond either is read from
+#: the API server instead (at most every :data:`NAMED_SECRET_TTL_SECONDS`), so a tenant naming
+#: many Secrets slows only its own passes.
+NAMED_SECRETS_PER_NAMESPACE = 32
+NAMED_SECRETS = 2_000
+#: Watches one Kubernetes client carries (each is a connection; the HTTP client keeps at most
+#: 100), so the named watches never take the connections of the operator's other requests.
+WATCHES_PER_CLIENT = 80
+NAMED_SECRET_TTL_SECONDS = 10.0
+#: Seconds after its last read a named Secret's watch is stopped (no pool names it any more).
+NAMED_SECRET_FORGET_SECONDS = 900.0
 #: Secret data values larger than this (bytes of base64) are not cached.
 SECRET_VALUE_MAX_BYTES = 16 * 1024
 #: Seconds a read waits for its cache's first list before asking the API server itself.
@@ -88,10 +114,16 @@ SYNC_TIMEOUT_SECONDS = 30.0
 
 
 class KubeSource:
-    """Reads for the pool pass through one Kubernetes client (no cache)."""
+    """Reads for the pool pass through one Kubernetes client (no cache).
 
-    def __init__(self, kube: AsyncClient) -> None:
+    ``lease_namespace``: the namespace of the agents' Leases (the release namespace; the
+    agents' ``--lease-namespace``). Leases are read there only: anyone with edit rights in a
+    namespace can create a Lease with the agents' label, and one read from there would keep a
+    dead node alive or announce capacity no node has."""
+
+    def __init__(self, kube: AsyncClient, lease_namespace: str = AGENT_LEASE_NAMESPACE) -> None:
         self.kube = kube
+        self.lease_namespace = lease_namespace
 
     async def start(self) -> None:
         """Nothing to start (the cached source starts its watches here)."""
@@ -116,11 +148,11 @@ class KubeSource:
         out: dict[str, Any] = obj.to_dict()
         return out
 
-    async def vms(self, pool: PoolObj) -> tuple[VMObj, ...]:
+    async def vms(self, pool: PoolObj) -> tuple[VM, ...]:
         """The ImpVMs labelled for ``pool`` that it owns (never another pool's), by name."""
         labels: Any = {POOL_LABEL: pool.name}
         found = [
-            VMObj.from_body(o.to_dict())
+            VM.from_body(o.to_dict())
             async for o in self.kube.list(ImpVMResource, namespace=pool.namespace, labels=labels)
         ]
         return tuple(sorted((v for v in found if pool.uid in v.owner_uids), key=lambda v: v.name))
@@ -137,15 +169,23 @@ class KubeSource:
         )
 
     async def leases(self) -> tuple[NodeLease, ...]:
-        """Every agent's Lease, in any namespace (``impvm agent --lease-namespace``), found by
-        its label and name prefix."""
+        """Every agent's Lease: those in :attr:`lease_namespace` with the agents' label and
+        name prefix (never a Lease of another namespace)."""
         label: Any = dict([AGENT_LEASE_LABEL])
         out = []
-        async for lease in self.kube.list(Lease, namespace="*", labels=label):
+        async for lease in self.kube.list(Lease, namespace=self.lease_namespace, labels=label):
             parsed = _lease(lease.to_dict())
             if parsed is not None:
                 out.append(parsed)
         return tuple(out)
+
+    async def namespace_labels(self, namespace: str) -> dict[str, str] | None:
+        """The labels of ``namespace`` (its name is among them, ``kubernetes.io/metadata.name``),
+        or None when it does not exist."""
+        found = await self.api_get(Namespace, namespace, None)
+        if found is None:
+            return None
+        return dict(((found.get("metadata") or {}).get("labels")) or {})
 
     def written(self, resource: Any, raw: dict[str, Any]) -> None:
         """An object a write of this process returned (kept by the cached source)."""
@@ -163,21 +203,14 @@ def _lease(raw: dict[str, Any]) -> NodeLease | None:
     renewed = spec.get("renewTime")
     return NodeLease.parse(
         spec.get("holderIdentity") or "",
-        parse_time(renewed) if isinstance(renewed, str) else renewed,
+        parse_time(renewed),
         spec.get("leaseDurationSeconds") or 40,
         meta.get("annotations") or {},
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _VM:
-    pool: str
-    vm: VMObj
-
-
-def _parse_vm(raw: dict[str, Any]) -> _VM:
-    pool = ((raw.get("metadata") or {}).get("labels") or {}).get(POOL_LABEL) or ""
-    return _VM(str(pool), VMObj.from_body(raw))
+def _parse_vm(raw: dict[str, Any]) -> VM:
+    return VM.from_body(raw)
 
 
 def _parse_jit_secret(raw: dict[str, Any]) -> str:
@@ -199,6 +232,197 @@ def _parse_secret(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _whole(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
+
+
+@dataclass
+class _Named:
+    """One Secret read by name: its watch (None: read with a short cache instead), when it was
+    last asked for, and the last read of an unwatched one."""
+
+    used: float
+    cache: WatchCache[dict[str, Any]] | None = None
+    task: asyncio.Task[None] | None = None
+    client: AsyncClient | None = None
+    value: dict[str, Any] | None = None
+    read_at: float | None = None
+
+
+class NamedWatches:
+    """Objects read by name, each watched on its own: the Secrets pools and templates name
+    (:func:`named_secrets`), and the Namespaces whose labels a class's ``spec.namespaces``
+    selects (:func:`named_namespaces`); no other object of the kind is ever listed or held.
+
+    Each object asked for by ``(namespace, name)`` (``("", name)`` for a cluster-scoped kind)
+    gets a watch of its own (list + watch with the field selector ``metadata.name=<name>``, at
+    most one object), started on its first read and stopped ``forget`` seconds after its last.
+    The watches run on Kubernetes clients of their own, :data:`WATCHES_PER_CLIENT` each (one
+    connection per watch), so they never take the connections the operator's other requests
+    need. At most ``per_namespace`` objects of one namespace, and ``total`` in all, are
+    watched; one beyond that is read from the API server, at most every ``ttl`` seconds (the
+    namespace that names so many pays with its own requests; nobody else's is displaced).
+    ``namespaces``: those the operator serves (``["*"]``: all); an object elsewhere is never
+    read. ``clock``: monotonic seconds."""
+
+    def __init__(
+        self,
+        kube: AsyncClient,
+        resource: Any,
+        parse: Callable[[dict[str, Any]], dict[str, Any]],
+        namespaces: list[str] | None = None,
+        *,
+        cluster_scoped: bool = False,
+        per_namespace: int = NAMED_SECRETS_PER_NAMESPACE,
+        total: int = NAMED_SECRETS,
+        ttl: float = NAMED_SECRET_TTL_SECONDS,
+        forget: float = NAMED_SECRET_FORGET_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kube = kube
+        self.resource = resource
+        self.parse = parse
+        self.cluster_scoped = cluster_scoped
+        self.namespaces = list(namespaces or ["*"])
+        self.per_namespace = per_namespace
+        self.total = total
+        self.ttl = ttl
+        self.forget = forget
+        self.clock = clock
+        self._entries: dict[Key, _Named] = {}
+        self._clients: dict[AsyncClient, int] = {}
+        self._swept = clock()
+        #: reads answered by the API server (no watch for the object)
+        self.api_reads = 0
+
+    def _watched(self, namespace: str) -> int:
+        return sum(1 for k, e in self._entries.items() if k[0] == namespace and e.cache)
+
+    def held(self) -> list[Key]:
+        """The Secrets held in memory (watched or recently read), by key."""
+        out = []
+        for key, e in self._entries.items():
+            if (e.cache is not None and e.cache.get(key) is not None) or e.value is not None:
+                out.append(key)
+        return sorted(out)
+
+    def _client(self) -> AsyncClient:
+        for client, n in self._clients.items():
+            if n < WATCHES_PER_CLIENT:
+                self._clients[client] += 1
+                return client
+        client = AsyncClient(config=self.kube.config)
+        self._clients[client] = 1
+        return client
+
+    def _watch(self, key: Key, entry: _Named) -> None:
+        ns, name = key
+        client = self._client()
+        entry.client = client
+        what = f"{getattr(self.resource, '__name__', 'object')} {ns}/{name}".replace(" /", " ")
+        entry.cache = WatchCache(
+            client,
+            self.resource,
+            self.parse,
+            namespace=None if self.cluster_scoped else ns,
+            fields={"metadata.name": name},
+            max_objects=1,
+            name=what,
+        )
+        entry.task = asyncio.get_running_loop().create_task(entry.cache.run(), name=f"watch {what}")
+
+    async def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object as ``parse`` keeps it, or None when it does not exist (``namespace``
+        ``""`` for a cluster-scoped kind). Raises lightkube's ``ApiError`` (e.g. 403) when the
+        API server refuses an uncached read."""
+        served = name if self.cluster_scoped else namespace
+        if self.namespaces != ["*"] and served not in self.namespaces:
+            return None  # not a namespace this operator serves
+        key = (namespace, name)
+        now = self.clock()
+        self._sweep(now)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Named(used=now)
+            if (
+                self._watched(namespace) < self.per_namespace
+                and sum(1 for e in self._entries.values() if e.cache) < self.total
+            ):
+                self._watch(key, entry)
+            else:
+                log.info("%s/%s: read without a watch (watch limit reached)", *key)
+        entry.used = now
+        cache = entry.cache
+        if cache is not None:
+            if not cache.synced.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(cache.synced.wait(), SYNC_TIMEOUT_SECONDS)
+            if cache.synced.is_set():
+                return cache.get(key)
+        if entry.read_at is not None and now - entry.read_at < self.ttl:
+            return entry.value
+        self.api_reads += 1
+        try:
+            got = await self.kube.get(
+                self.resource, name, namespace=None if self.cluster_scoped else namespace
+            )
+            entry.value = self.parse(got.to_dict())
+        except ApiError as e:
+            if e.status.code != 404:
+                raise
+            entry.value = None
+        entry.read_at = now
+        return entry.value
+
+    def _sweep(self, now: float) -> None:
+        """Stop the watches of Secrets nobody asked for in ``forget`` seconds (once a minute)."""
+        if now - self._swept < 60.0:
+            return
+        self._swept = now
+        for key, entry in list(self._entries.items()):
+            if now - entry.used >= self.forget:
+                self._stop(entry)
+                del self._entries[key]
+
+    def _stop(self, entry: _Named) -> None:
+        if entry.task is not None:
+            entry.task.cancel()
+        if entry.client is not None:
+            self._clients[entry.client] -= 1
+
+    async def close(self) -> None:
+        """Stop every watch and close the clients."""
+        tasks = [e.task for e in self._entries.values() if e.task is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._entries.clear()
+        for client in list(self._clients):
+            await client.close()
+        self._clients.clear()
+
+
+def named_secrets(kube: AsyncClient, namespaces: list[str] | None = None) -> NamedWatches:
+    """The Secrets pools and templates name: credentials, webhook and verify-key Secrets."""
+    return NamedWatches(kube, Secret, _parse_secret, namespaces)
+
+
+def _parse_namespace(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Namespace -> its name and labels."""
+    meta = raw.get("metadata") or {}
+    return {"metadata": {"name": meta.get("name"), "labels": dict(meta.get("labels") or {})}}
+
+
+def named_namespaces(kube: AsyncClient, namespaces: list[str] | None = None) -> NamedWatches:
+    """The Namespaces whose labels a class's ``spec.namespaces`` is checked against."""
+    return NamedWatches(
+        kube,
+        Namespace,
+        _parse_namespace,
+        namespaces,
+        cluster_scoped=True,
+        per_namespace=NAMED_SECRETS,
+    )
 
 
 class _Index:
@@ -251,8 +475,9 @@ class CachedSource(KubeSource):
         on_class: Wake | None = None,
         on_pool: Wake | None = None,
         max_objects: dict[str, int] | None = None,
+        lease_namespace: str = AGENT_LEASE_NAMESPACE,
     ) -> None:
-        super().__init__(kube)
+        super().__init__(kube, lease_namespace)
         self.namespaces = list(namespaces or ["*"])
         limits = {**MAX_OBJECTS, **(max_objects or {})}
         self._vm_index = _Index()
@@ -266,7 +491,6 @@ class CachedSource(KubeSource):
             on_pool,
         )
         pool_label: Any = {POOL_LABEL: op.exists()}
-        other: Any = {POOL_LABEL: op.not_exists()}
         self.caches: dict[str, list[WatchCache[Any]]] = {}
 
         def per_ns(kind: str, resource: Any, parse: Any, wake: Any, **kw: Any) -> None:
@@ -277,6 +501,7 @@ class CachedSource(KubeSource):
                     parse,
                     namespace=ns,
                     max_objects=limits[kind],
+                    max_per_namespace=MAX_PER_NAMESPACE.get(kind),
                     on_change=wake,
                     name=f"{kind} in {ns}",
                     **kw,
@@ -288,7 +513,10 @@ class CachedSource(KubeSource):
         per_ns("templates", ImpVMTemplateResource, _whole, self._template_changed)
         per_ns("vms", ImpVMResource, _parse_vm, self._vm_changed, labels=pool_label)
         per_ns("jit-secrets", Secret, _parse_jit_secret, self._jit_changed, labels=pool_label)
-        per_ns("secrets", Secret, _parse_secret, None, labels=other)
+        #: the Secrets pools and templates name, and the Namespaces classes select: each
+        #: watched by name
+        self.named = named_secrets(kube, self.namespaces)
+        self.named_namespaces = named_namespaces(kube, self.namespaces)
         self.caches["classes"] = [
             WatchCache(
                 kube,
@@ -306,7 +534,7 @@ class CachedSource(KubeSource):
                 kube,
                 Lease,
                 _lease,
-                namespace="*",
+                namespace=lease_namespace,
                 labels=label,
                 max_objects=limits["leases"],
                 name="agent leases",
@@ -316,7 +544,6 @@ class CachedSource(KubeSource):
             ImpVMRunnerPoolResource: "pools",
             ImpVMTemplateResource: "templates",
             ImpVMClassResource: "classes",
-            Secret: "secrets",
         }
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -336,9 +563,12 @@ class CachedSource(KubeSource):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
+        await self.named.close()
+        await self.named_namespaces.close()
 
     async def synced(self) -> None:
-        """Wait until every cache has its first list."""
+        """Wait until every cache has its first list (named Secrets are watched from their
+        first read)."""
         for caches in self.caches.values():
             for c in caches:
                 await c.synced.wait()
@@ -368,8 +598,11 @@ class CachedSource(KubeSource):
         return cache
 
     async def get(self, resource: Any, name: str, namespace: str | None) -> dict[str, Any] | None:
-        """An object as a dict from its cache (a Secret: only its small data values), or None
-        when it does not exist; kinds without a cache are read from the API server."""
+        """An object as a dict from its cache (a Secret: only its small data values, from its
+        watch by name), or None when it does not exist; kinds without a cache are read from
+        the API server."""
+        if resource is Secret and namespace and self._tasks:
+            return await self.named.get(namespace, name)
         kind = self._by_resource.get(resource)
         cache = await self._ready(self._cache(kind, namespace) if kind else None)
         if cache is None:
@@ -377,15 +610,21 @@ class CachedSource(KubeSource):
         found: dict[str, Any] | None = cache.get((namespace or "", name))
         return found
 
-    async def vms(self, pool: PoolObj) -> tuple[VMObj, ...]:
+    async def namespace_labels(self, namespace: str) -> dict[str, str] | None:
+        if not self._tasks:
+            return await super().namespace_labels(namespace)
+        found = await self.named_namespaces.get("", namespace)
+        return None if found is None else dict(found["metadata"]["labels"])
+
+    async def vms(self, pool: PoolObj) -> tuple[VM, ...]:
         cache = await self._ready(self._cache("vms", pool.namespace))
         if cache is None:
             return await super().vms(pool)
         out = []
         for name in self._vm_index.names(pool.namespace, pool.name):
             found = cache.get((pool.namespace, name))
-            if found is not None and pool.uid in found.vm.owner_uids:
-                out.append(found.vm)
+            if found is not None and pool.uid in found.owner_uids:
+                out.append(found)
         return tuple(out)
 
     async def secret_names(self, pool: PoolObj) -> frozenset[str]:
@@ -426,7 +665,7 @@ class CachedSource(KubeSource):
         """Mark a VM this process deleted as deleting (until the watch reports it)."""
         cache = self._cache("vms", namespace)
         if cache is not None:
-            cache.mark((namespace, name), lambda v: replace(v, vm=replace(v.vm, deleting=True)))
+            cache.mark((namespace, name), lambda v: replace(v, deleting=True))
 
     # ---------------------------------------------------------------- wake-ups
 
@@ -435,7 +674,7 @@ class CachedSource(KubeSource):
         found = cache.get(key) if cache is not None else None
         old, new = self._vm_index.update(key, None if found is None else found.pool)
         if found is not None:
-            self._vm_born[key] = (found.pool, found.vm.created_at)
+            self._vm_born[key] = (found.pool, found.created_at)
         elif (
             (born := self._vm_born.pop(key, None)) is not None
             and born[0]
@@ -468,7 +707,7 @@ class CachedSource(KubeSource):
 
 
 def _pool_of(value: Any) -> str | None:
-    """The pool a cached VM (:class:`_VM`) or JIT Secret (its pool's name) belongs to."""
-    if isinstance(value, _VM):
+    """The pool a cached VM or JIT Secret (its pool's name) belongs to."""
+    if isinstance(value, VM):
         return value.pool
     return str(value) if value else None

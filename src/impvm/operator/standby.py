@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable
 import httpx
 from aiohttp import web
 
+from impvm.operator.http import body_of
+
 log = logging.getLogger("impvm.operator.standby")
 
 #: Marks a forwarded delivery (a forwarded one is never forwarded again).
@@ -57,7 +59,7 @@ class LeaderGate:
         url = self.leader_url()
         if not url or request.headers.get(FORWARDED_HEADER):
             return _unavailable("no leader to take the delivery; GitHub may redeliver it")
-        body = await request.read()
+        body = await body_of(request)  # bounded by the HTTP endpoint's gate
         headers = {h: v for h in KEPT_HEADERS if (v := request.headers.get(h)) is not None}
         headers[FORWARDED_HEADER] = "1"
         try:

@@ -10,7 +10,7 @@ from impvm.github.errors import GitHubError
 from impvm.operator.context import OperatorContext
 from impvm.operator.credentials import scope_of
 from impvm.scaling.names import owns_runner_name
-from impvm.scaling.world import PoolObj
+from impvm.scaling.poolpass.world import PoolObj
 
 log = logging.getLogger("impvm.operator.teardown")
 

@@ -18,7 +18,7 @@ from impvm.api.models import (
     VERIFY_PUBLIC_KEY_MAX_LENGTH,
     ImpVMTemplateSpec,
 )
-from impvm.scaling.world import VerifyKey
+from impvm.scaling.poolpass.world import VerifyKey
 
 _PEM = re.compile(PUBLIC_KEY_PEM_PATTERN)
 

@@ -2,10 +2,15 @@
 
 Pure (no I/O, no clock). Two steps, so the caller knows which VMs need GitHub reads:
 
-1. :func:`needs_lookup` ``(ReapVM) -> Lookup | Verdict`` — a VM that is being deleted, idle (no
-   job recorded) or whose job record is malformed gets its :class:`Verdict` at once and **no
+1. :func:`needs_lookup` ``(VM) -> Lookup | ReapVerdict`` — a VM that is being deleted, idle (no
+   job recorded) or whose job record is malformed gets its :class:`ReapVerdict` at once and **no
    GitHub call is made for it**; otherwise the :class:`Lookup` says which run (and job) to read.
-2. :func:`judge` ``(ReapVM, RunInfo, JobInfo | None, now, ...) -> Verdict`` over what GitHub said.
+2. :func:`judge` ``(VM, RunInfo, JobInfo | None, now, ...) -> ReapVerdict`` over what GitHub
+   said.
+
+The VM is the one read model (:class:`impvm.api.vm.VM`); its job record is read as stored
+(``status.job``), never trusted: a run id that is not a positive integer or a repository that
+is not ``owner/name`` is a malformed record, judged by no one.
 
 The table (after the ARC pull request "feat(arc): add an optional reaper for runner pods that
 outlive their job"), first matching row wins:
@@ -27,50 +32,42 @@ row   condition                                                    action      r
 
 A VM is only deleted on a positive answer from GitHub: when the run or job cannot be read the
 caller reports :func:`lookup_failed` (not judged) and leaves the VM alone (ARC's reaper
-proposal, failure behaviour). Durations are seconds; datetimes must be timezone-aware.
-
-GitHub's workflow run ``status`` is ``completed`` for every finished run, whatever its
-``conclusion`` (success, failure, **cancelled**, timed_out, skipped, ...); a run has no
-``completed_at``, so the time it completed is its ``updated_at`` (REST "Get a workflow run").
-A job has ``completed_at`` (REST "Get a job for a workflow run").
+proposal, failure behaviour). Durations are seconds; datetimes must be timezone-aware
+(:mod:`impvm.reaper.facts` holds what GitHub said and the record's parsing).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from impvm.api.models import REPO_PATTERN, ImpVMStatus
+from impvm.api.times import parse_time
+from impvm.api.vm import VM
+from impvm.reaper.facts import (
+    DEFAULT_COMPLETED_GRACE_SECONDS,
+    DEFAULT_MAX_JOB_SECONDS,
+    JobInfo,
+    RunInfo,
+    format_duration,
+    parse_repository,
+    parse_run_id,
+)
 
 __all__ = [
-    "DEFAULT_COMPLETED_GRACE_SECONDS",
-    "DEFAULT_MAX_JOB_SECONDS",
     "Action",
-    "JobInfo",
+    "JobRecord",
     "Lookup",
-    "ReapVM",
+    "ReapVerdict",
     "Rule",
-    "RunInfo",
-    "Verdict",
-    "format_duration",
     "judge",
     "lookup_failed",
     "needs_lookup",
-    "parse_repository",
-    "parse_run_id",
+    "recorded_job",
 ]
 
-#: Default of ``spec.reaper.completedGraceSeconds``.
-DEFAULT_COMPLETED_GRACE_SECONDS = 300
-#: Default of ``spec.reaper.maxJobSeconds`` (``ReaperSpec``: 6 hours, GitHub's job limit on
-#: hosted runners).
-DEFAULT_MAX_JOB_SECONDS = 21600
-
-_REPO_RE = re.compile(REPO_PATTERN)
 _COMPLETED = "completed"
 
 
@@ -97,7 +94,7 @@ class Rule(StrEnum):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Verdict:
+class ReapVerdict:
     """``action`` on a VM, the table ``rule`` that chose it, and ``reason``: a sentence naming
     the run, repository and durations, fit for a log line or an Event message."""
 
@@ -112,50 +109,6 @@ class Verdict:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ReapVM:
-    """One VM as its ImpVM reports it; job fields are raw, as found in ``status.job``.
-
-    - ``name``: the ImpVM's name; ``deleting``: ``metadata.deletionTimestamp`` is set.
-    - ``job_id``: ``status.job.id`` (int or None).
-    - ``workflow_run_id``: ``status.job.workflowRunId``, raw: int, str or None (validated by
-      :func:`needs_lookup`, not here).
-    - ``repository``: ``status.job.repository``, raw ``owner/name`` or None.
-    - ``job_started_at``: ``status.job.startedAt``, used when GitHub's job is not available.
-    """
-
-    name: str
-    deleting: bool = False
-    job_id: int | None = None
-    workflow_run_id: object = None
-    repository: str | None = None
-    job_started_at: datetime | None = None
-
-    @classmethod
-    def from_status(cls, *, name: str, deleting: bool, status: ImpVMStatus | None) -> ReapVM:
-        """Build from an ImpVM's name, deletion state and parsed ``status``."""
-        job = status.job if status is not None else None
-        if job is None:
-            return cls(name=name, deleting=deleting)
-        return cls(
-            name=name,
-            deleting=deleting,
-            job_id=job.id,
-            workflow_run_id=job.workflow_run_id,
-            repository=job.repository,
-            job_started_at=job.started_at,
-        )
-
-    @property
-    def has_job(self) -> bool:
-        """Whether any job field is recorded (a VM without one is idle)."""
-        return (
-            self.job_id is not None
-            or self.workflow_run_id is not None
-            or self.repository is not None
-        )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class Lookup:
     """The GitHub reads one VM needs: ``GET /repos/{repository}/actions/runs/{run_id}`` and, when
     ``job_id`` is known, ``GET /repos/{repository}/actions/jobs/{job_id}``."""
@@ -165,153 +118,85 @@ class Lookup:
     job_id: int | None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunInfo:
-    """A workflow run as GitHub reports it: ``status`` (queued, in_progress, completed, ...),
-    ``conclusion`` (None until completed; cancelled is a conclusion of a completed run) and
-    ``updated_at`` (when a completed run completed)."""
-
-    status: str
-    conclusion: str | None
-    updated_at: datetime
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> RunInfo:
-        """Parse GitHub's workflow-run object (fields ``status``, ``conclusion``,
-        ``updated_at``). Raises KeyError/ValueError on a missing or unparsable field."""
-        return cls(
-            status=str(data["status"]),
-            conclusion=_opt_str(data.get("conclusion")),
-            updated_at=_parse_time(data["updated_at"]),
-        )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class JobInfo:
-    """A workflow job as GitHub reports it: ``status``, ``conclusion``, ``started_at`` and
-    ``completed_at`` (None until completed)."""
-
-    status: str
-    conclusion: str | None = None
-    started_at: datetime | None = None
-    completed_at: datetime | None = None
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> JobInfo:
-        """Parse GitHub's workflow-job object. Raises KeyError/ValueError on a missing
-        ``status`` or an unparsable time."""
-        started = data.get("started_at")
-        completed = data.get("completed_at")
-        return cls(
-            status=str(data["status"]),
-            conclusion=_opt_str(data.get("conclusion")),
-            started_at=_parse_time(started) if started else None,
-            completed_at=_parse_time(completed) if completed else None,
-        )
-
-
-def _opt_str(value: object) -> str | None:
-    return None if value is None else str(value)
-
-
-def _parse_time(value: object) -> datetime:
-    if not isinstance(value, str):
-        raise ValueError(f"expected an ISO 8601 time, got {value!r}")
-    parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    if parsed.utcoffset() is None:
-        raise ValueError(f"time without a timezone: {value!r}")
-    return parsed
-
-
-# --------------------------------------------------------------------------------------------
-# Validation of the job record
-
-
-def parse_run_id(raw: object) -> int | None:
-    """The workflow run id as a positive int, or None when ``raw`` is not one.
-
-    Accepts an int (not a bool) or a string of ASCII digits; rejects 0, negatives, floats,
-    whitespace and anything else."""
-    if isinstance(raw, bool):
-        return None
-    if isinstance(raw, int):
-        return raw if raw > 0 else None
-    if isinstance(raw, str) and raw.isascii() and raw.isdigit():
-        value = int(raw)
-        return value if value > 0 else None
-    return None
-
-
-def parse_repository(raw: object) -> str | None:
-    """``raw`` if it is a valid GitHub ``owner/name``, else None.
-
-    Owner: 1-39 ASCII letters, digits or hyphens, not starting with a hyphen; name: 1-100 of
-    ``[A-Za-z0-9._-]``, and not ``.`` or ``..`` (GitHub's naming rules; the pattern is
-    :data:`impvm.api.models.REPO_PATTERN`)."""
-    if not isinstance(raw, str) or not _REPO_RE.fullmatch(raw):
-        return None
-    if raw.split("/", 1)[1] in {".", ".."}:
-        return None
-    return raw
-
-
 # --------------------------------------------------------------------------------------------
 # The table
 
 
-def format_duration(seconds: float) -> str:
-    """A short human duration: ``45s``, ``5m``, ``1h30m``, ``1d``, ``10d2h``: the largest
-    non-zero unit and the next one (dropped when zero), truncated; negative values read ``0s``."""
-    total = max(0, int(seconds))
-    units = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
-    for i, (unit, size) in enumerate(units):
-        if total >= size:
-            text = f"{total // size}{unit}"
-            if i + 1 < len(units):
-                sub_unit, sub_size = units[i + 1]
-                sub = (total % size) // sub_size
-                if sub:
-                    text += f"{sub}{sub_unit}"
-            return text
-    return "0s"
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobRecord:
+    """A VM's job record as stored (``status.job``), its fields raw: ``job_id``,
+    ``workflow_run_id``, ``repository`` (validated by :func:`needs_lookup`, not here) and
+    ``started_at`` (None when absent or not a time)."""
+
+    job_id: int | None = None
+    workflow_run_id: object = None
+    repository: object = None
+    started_at: datetime | None = None
 
 
-def needs_lookup(vm: ReapVM) -> Lookup | Verdict:
-    """Rows 1-3: a :class:`Verdict` needing no GitHub call, or the :class:`Lookup` to make.
+def recorded_job(vm: VM) -> JobRecord:
+    """The job record of ``vm`` as stored (what :func:`needs_lookup` judges)."""
+    raw: Any = (vm.stored_status or {}).get("job")
+    if not isinstance(raw, Mapping):
+        j = vm.status.job
+        if j is None:
+            return JobRecord()
+        return JobRecord(
+            job_id=j.id,
+            workflow_run_id=j.workflow_run_id,
+            repository=j.repository,
+            started_at=j.started_at,
+        )
+    try:
+        started = parse_time(raw.get("startedAt"))
+    except ValueError:
+        started = None
+    job_id = raw.get("id")
+    return JobRecord(
+        job_id=job_id if isinstance(job_id, int) and not isinstance(job_id, bool) else None,
+        workflow_run_id=raw.get("workflowRunId"),
+        repository=raw.get("repository"),
+        started_at=started,
+    )
+
+
+def needs_lookup(vm: VM) -> Lookup | ReapVerdict:
+    """Rows 1-3: a :class:`ReapVerdict` needing no GitHub call, or the :class:`Lookup` to make.
 
     Being deleted -> keep; no job recorded -> keep (idle); a job recorded but the run id not a
     positive integer or the repository not ``owner/name`` -> not judged. Source: ARC's reaper
     proposal ("never touches an idle runner or one it could not judge").
     """
     if vm.deleting:
-        return Verdict(
+        return ReapVerdict(
             action=Action.KEEP, rule=Rule.DELETING, reason=f"VM {vm.name} is already being deleted"
         )
     if not vm.has_job:
-        return Verdict(
+        return ReapVerdict(
             action=Action.KEEP, rule=Rule.IDLE, reason=f"VM {vm.name} has no job recorded (idle)"
         )
-    run_id = parse_run_id(vm.workflow_run_id)
-    repository = parse_repository(vm.repository)
+    job = recorded_job(vm)
+    run_id = parse_run_id(job.workflow_run_id)
+    repository = parse_repository(job.repository)
     problems = []
     if run_id is None:
-        problems.append(f"workflow run id {vm.workflow_run_id!r} is not a positive integer")
+        problems.append(f"workflow run id {job.workflow_run_id!r} is not a positive integer")
     if repository is None:
-        problems.append(f"repository {vm.repository!r} is not owner/name")
+        problems.append(f"repository {job.repository!r} is not owner/name")
     if run_id is None or repository is None:
-        return Verdict(
+        return ReapVerdict(
             action=Action.NOT_JUDGED,
             rule=Rule.MALFORMED,
             reason=f"VM {vm.name} not judged: malformed job record ({'; '.join(problems)})",
         )
-    return Lookup(repository=repository, run_id=run_id, job_id=vm.job_id)
+    return Lookup(repository=repository, run_id=run_id, job_id=job.job_id)
 
 
-def lookup_failed(vm: ReapVM, lookup: Lookup, error: str) -> Verdict:
-    """Verdict for a VM whose run or job could not be read: not judged, never deleted (ARC's
+def lookup_failed(vm: VM, lookup: Lookup, error: str) -> ReapVerdict:
+    """Verdict on a VM whose run or job could not be read: not judged, never deleted (ARC's
     reaper proposal: "if one runner's run or jobs cannot be read, that runner is left alone").
     ``error`` must not hold a secret (it is put in the reason)."""
-    return Verdict(
+    return ReapVerdict(
         action=Action.NOT_JUDGED,
         rule=Rule.LOOKUP_FAILED,
         reason=f"VM {vm.name} not judged: reading run {lookup.run_id} in {lookup.repository} "
@@ -320,13 +205,13 @@ def lookup_failed(vm: ReapVM, lookup: Lookup, error: str) -> Verdict:
 
 
 def judge(
-    vm: ReapVM,
+    vm: VM,
     run: RunInfo,
     job: JobInfo | None,
     now: datetime,
     max_job_seconds: int = DEFAULT_MAX_JOB_SECONDS,
     completed_grace_seconds: int = DEFAULT_COMPLETED_GRACE_SECONDS,
-) -> Verdict:
+) -> ReapVerdict:
     """The whole table (module docstring) for one VM and what GitHub said about it.
 
     ``run``: the VM's workflow run; ``job``: the VM's own job (None when no job id is recorded
@@ -336,7 +221,7 @@ def judge(
     Rows 1-3 are re-checked here, so ``judge`` alone is safe to call. Source: ARC's reaper proposal.
     """
     first = needs_lookup(vm)
-    if isinstance(first, Verdict):
+    if isinstance(first, ReapVerdict):
         return first
     where = f"run {first.run_id} in {first.repository}"
     grace = format_duration(completed_grace_seconds)
@@ -347,12 +232,12 @@ def judge(
             f"{where} completed ({run.conclusion or 'no conclusion'}) {format_duration(age)} ago"
         )
         if age >= completed_grace_seconds:
-            return Verdict(
+            return ReapVerdict(
                 action=Action.DELETE,
                 rule=Rule.RUN_COMPLETED,
                 reason=f"{outcome}, past the {grace} grace; deleting VM {vm.name}",
             )
-        return Verdict(
+        return ReapVerdict(
             action=Action.KEEP,
             rule=Rule.IN_GRACE,
             reason=f"{outcome}, inside the {grace} grace; keeping VM {vm.name}",
@@ -361,7 +246,7 @@ def judge(
     job_name = f"job {first.job_id}" if first.job_id is not None else "the job"
     if job is not None and job.status == _COMPLETED:
         if job.completed_at is None:
-            return Verdict(
+            return ReapVerdict(
                 action=Action.KEEP,
                 rule=Rule.IN_GRACE,
                 reason=f"{job_name} of {where} is completed but GitHub gives no completion "
@@ -373,21 +258,21 @@ def judge(
             f"({job.conclusion or 'no conclusion'}) {format_duration(age)} ago"
         )
         if age >= completed_grace_seconds:
-            return Verdict(
+            return ReapVerdict(
                 action=Action.DELETE,
                 rule=Rule.JOB_COMPLETED,
                 reason=f"{outcome}, past the {grace} grace; deleting VM {vm.name}",
             )
-        return Verdict(
+        return ReapVerdict(
             action=Action.KEEP,
             rule=Rule.IN_GRACE,
             reason=f"{outcome}, inside the {grace} grace; keeping VM {vm.name}",
         )
 
-    started = job.started_at if job is not None and job.started_at else vm.job_started_at
+    started = job.started_at if job is not None and job.started_at else recorded_job(vm).started_at
     bound = format_duration(max_job_seconds)
     if started is None:
-        return Verdict(
+        return ReapVerdict(
             action=Action.KEEP,
             rule=Rule.RUNNING,
             reason=f"{job_name} of {where} ({run.status}) has no start time; keeping VM {vm.name}",
@@ -395,12 +280,12 @@ def judge(
     running = (now - started).total_seconds()
     outcome = f"{job_name} of {where} ({run.status}) started {format_duration(running)} ago"
     if running > max_job_seconds:
-        return Verdict(
+        return ReapVerdict(
             action=Action.DELETE,
             rule=Rule.JOB_TOO_LONG,
             reason=f"{outcome}, past the {bound} bound; deleting VM {vm.name}",
         )
-    return Verdict(
+    return ReapVerdict(
         action=Action.KEEP,
         rule=Rule.RUNNING,
         reason=f"{outcome}, within the {bound} bound; keeping VM {vm.name}",

@@ -1,6 +1,6 @@
 """impvm.scaling: pure decisions on pool size, the warm pool's size, which VMs and registrations to
-remove, and which pool a job belongs to. No I/O; see :mod:`impvm.scaling.pool`,
-:mod:`impvm.scaling.warmpool` and :mod:`impvm.scaling.labels`."""
+remove, and which pool a job belongs to. No I/O; see :mod:`impvm.scaling.poolpass` (the pool
+pass), :mod:`impvm.scaling.warmpool` and :mod:`impvm.scaling.labels`."""
 
 from impvm.scaling.labels import (
     DEFAULT_RUNNER_LABELS,
@@ -8,23 +8,6 @@ from impvm.scaling.labels import (
     choose_pool,
     job_matches,
     normalise_labels,
-)
-from impvm.scaling.pool import (
-    DEFAULT_BOOTSTRAP_TIMEOUT_SECONDS,
-    Counts,
-    PoolLimits,
-    PoolSnapshot,
-    Reason,
-    RegistrationDeletion,
-    RunnerView,
-    ScalePlan,
-    SecretMint,
-    VMDeletion,
-    VMState,
-    VMView,
-    classify,
-    decide,
-    parse_demand,
 )
 from impvm.scaling.warmpool import (
     JobQueued,
@@ -36,30 +19,15 @@ from impvm.scaling.warmpool import (
 )
 
 __all__ = [
-    "DEFAULT_BOOTSTRAP_TIMEOUT_SECONDS",
     "DEFAULT_RUNNER_LABELS",
-    "Counts",
     "JobQueued",
     "PoolLabels",
-    "PoolLimits",
-    "PoolSnapshot",
-    "Reason",
-    "RegistrationDeletion",
     "RunnerReady",
-    "RunnerView",
-    "ScalePlan",
-    "SecretMint",
-    "VMDeletion",
-    "VMState",
-    "VMView",
     "WarmPoolDecision",
     "WarmPoolPolicy",
     "WarmPoolState",
     "choose_pool",
-    "classify",
-    "decide",
     "job_matches",
     "normalise_labels",
-    "parse_demand",
     "warm_pool_target",
 ]

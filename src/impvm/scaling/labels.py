@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_RUNNER_LABELS",
     "PoolLabels",
     "choose_pool",
+    "fitting_pools",
     "job_matches",
     "normalise_labels",
 ]
@@ -62,16 +63,49 @@ def job_matches(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PoolLabels:
-    """A pool as seen by job routing: ``namespace``/``name`` and its ``spec.labels``."""
+    """A pool as seen by job routing: ``namespace``/``name``, its ``spec.labels``, and what
+    breaks a tie between pools that fit a job equally well: ``created`` (the pool's
+    ``metadata.creationTimestamp``, epoch seconds) and ``uid`` (both set by the API server, so
+    no tenant chooses them)."""
 
     namespace: str
     name: str
     labels: tuple[str, ...] = ()
+    created: float = 0.0
+    uid: str = ""
 
     @property
     def key(self) -> PoolKey:
         """The pool's identity, without its labels."""
         return PoolKey(self.namespace, self.name)
+
+
+def _size(pool: PoolLabels, implicit: frozenset[str]) -> int:
+    return len(normalise_labels(pool.labels) - implicit)
+
+
+def _rank(pool: PoolLabels, implicit: frozenset[str]) -> tuple[int, float, str, str, str]:
+    return (_size(pool, implicit), pool.created, pool.uid, pool.namespace, pool.name)
+
+
+def fitting_pools(
+    job_labels: Iterable[str],
+    pools: Sequence[PoolLabels],
+    runner_labels: Iterable[str] = DEFAULT_RUNNER_LABELS,
+) -> list[PoolLabels]:
+    """The pools a job fits best, in the order :func:`choose_pool` takes them: every pool the
+    job matches (:func:`job_matches`) with the fewest distinct labels. More than one is a tie
+    (``impvm_job_routing_ties_total`` counts it)."""
+    job = list(job_labels)
+    implicit = normalise_labels(runner_labels)
+    candidates = [p for p in pools if job_matches(job, p.labels, implicit)]
+    if not candidates:
+        return []
+    tightest = min(_size(p, implicit) for p in candidates)
+    return sorted(
+        (p for p in candidates if _size(p, implicit) == tightest),
+        key=lambda p: _rank(p, implicit),
+    )
 
 
 def choose_pool(
@@ -82,25 +116,16 @@ def choose_pool(
     """The one pool a job belongs to, or None when no pool matches (see :func:`job_matches`).
 
     A job matching several pools goes to exactly one, deterministically: the pool with the fewest
-    distinct labels (the tightest fit, so a big runner does not take a small job), ties broken by
-    ``(namespace, name)`` (pools are unique by it; should two entries share one, their sorted
-    labels decide). Labels a pool repeats, or that every runner reports anyway
-    (``runner_labels``), do not count towards its size.
+    distinct labels (the tightest fit, so a big runner does not take a small job); among pools
+    that fit equally, the **oldest** (``created``), then the lowest ``uid``. Both are the API
+    server's, so no tenant wins a tie by choosing a namespace or pool name, and a pool created
+    later never takes jobs from one that was there first (the ``(namespace, name)`` order is
+    only the last resort, for entries without creation time and uid). Labels a pool repeats, or
+    that every runner reports anyway (``runner_labels``), do not count towards its size.
 
     ``pools`` must already be restricted to pools whose ``platform.scope`` covers the job's
-    repository (the caller knows the scopes; this function only compares labels).
+    repository and whose credentials are the job's installation (the caller knows them; this
+    function only compares labels).
     """
-    job = list(job_labels)
-    implicit = normalise_labels(runner_labels)
-    candidates = [p for p in pools if job_matches(job, p.labels, implicit)]
-    if not candidates:
-        return None
-    return min(
-        candidates,
-        key=lambda p: (
-            len(normalise_labels(p.labels) - implicit),
-            p.namespace,
-            p.name,
-            tuple(sorted(p.labels)),
-        ),
-    )
+    best = fitting_pools(job_labels, pools, runner_labels)
+    return best[0] if best else None

@@ -1,4 +1,5 @@
-"""Names the pool controller gives: VMs (= runner names), JIT Secrets, and the template hash.
+"""Names the pool controller gives: VMs (= runner names) and JIT Secrets (the template hash is
+:func:`impvm.api.vm.template_hash`).
 
 Rules and their sources:
 
@@ -18,10 +19,7 @@ Rules and their sources:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
-from typing import Any
 
 #: GitHub's limit on a runner name (characters).
 MAX_RUNNER_NAME = 64
@@ -61,34 +59,3 @@ def secret_name(vm: str) -> str:
     """Deterministic name of a VM's JIT Secret, so a crash between writing the Secret and
     recording it on the VM is repaired by the next pass."""
     return f"{vm}-jit"
-
-
-def template_hash(
-    *,
-    image: str,
-    runner_layer: str | None,
-    class_name: str,
-    vcpu: int | None,
-    memory_mib: int | None,
-    disk_gib: int | None,
-    expire_after: str | None,
-    allow_unpinned: bool,
-    network: dict[str, Any] | None = None,
-    verify_key: str | None = None,
-) -> str:
-    """16 hex digits naming what a VM is made from. Two VMs with equal hashes are
-    interchangeable; a VM whose hash differs from what the pool makes now is outdated.
-    ``verify_key``: the fingerprint of the key the images must be signed by (a rotated key
-    recycles idle VMs too; None leaves the hash of unsigned templates as it was)."""
-    doc: dict[str, Any] = {
-        "image": image,
-        "runnerLayer": runner_layer,
-        "class": [class_name, vcpu, memory_mib, disk_gib],
-        "expireAfter": expire_after,
-        "allowUnpinnedImages": allow_unpinned,
-    }
-    if network is not None:  # the pool's egress policy: a change recycles idle VMs too
-        doc["network"] = network
-    if verify_key is not None:
-        doc["verifyKey"] = verify_key
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]

@@ -96,10 +96,12 @@ def unschedulable(
     return Unschedulable("InsufficientCapacity", waiting, f"{need}; " + "; ".join(frees)[:800])
 
 
-def lost_nodes(leases: list[NodeLease], now: dt.datetime, grace_seconds: float = 60.0) -> set[str]:
+def lost_nodes(leases: list[NodeLease], now: dt.datetime, grace_seconds: float) -> set[str]:
     """Nodes whose every Lease expired more than ``grace_seconds`` ago (never renewed counts as
-    expired). A node may have Leases in several namespaces (an agent restarted with another
-    ``--lease-namespace``): one live Lease keeps it."""
+    expired; the grace is the operator's ``node_lost_grace_seconds``, stated once in
+    :class:`impvm.scaling.settings.OperatorTunables`). A node may have Leases in several
+    namespaces (an agent restarted with another ``--lease-namespace``): one live Lease keeps
+    it."""
     expired: dict[str, bool] = {}
     for lease in leases:
         dead = lease.renewed_at is None or (

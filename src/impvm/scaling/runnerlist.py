@@ -19,7 +19,7 @@ good as a new one:
   requests);
 * never a list whose request started before the pool's last change of its own registrations
   (a JIT config minted, a runner deleted): that list may lack the new registration, and a
-  running VM whose registration is missing is replaced (:mod:`impvm.scaling.pool`).
+  running VM whose registration is missing is replaced (:mod:`impvm.scaling.poolpass.sizing`).
 
 Together with the VM cache holding every VM this operator created from the moment its create
 returned (:mod:`impvm.operator.sources`), a list used this way never holds a registration whose
@@ -33,24 +33,25 @@ import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from impvm.api.models import TERMINAL_PHASES, VMPhase
-from impvm.scaling.world import PassSettings, VMObj
+from impvm.api.models import VMPhase
+from impvm.api.vm import VM
+from impvm.scaling.settings import PassSettings
 
 
-def awaits_runner(vm: VMObj) -> bool:
+def awaits_runner(vm: VM) -> bool:
     """An agent claimed the VM (bound to a node, or a phase past ``Pending``), it is alive, and
     its recorded runner was never seen online or busy (a job recorded from a webhook does not
     count: GitHub's list must still show the runner up once). A VM no agent has claimed cannot
     bring a runner online; its claim changes the VM, which wakes the pool."""
     s = vm.status
-    if vm.deleting or s.phase in TERMINAL_PHASES:
+    if vm.deleting or vm.is_terminal:
         return False
     if not vm.spec.node_name and s.phase in (None, VMPhase.PENDING):
         return False
     return not (s.runner is not None and (s.runner.online or s.runner.busy))
 
 
-def fresh_wait(vms: Iterable[VMObj], now: dt.datetime, settings: PassSettings) -> bool:
+def fresh_wait(vms: Iterable[VM], now: dt.datetime, settings: PassSettings) -> bool:
     """A VM awaits its runner and started (or was created) less than
     ``runner_wait_fresh_seconds`` ago."""
     for vm in vms:
@@ -62,7 +63,7 @@ def fresh_wait(vms: Iterable[VMObj], now: dt.datetime, settings: PassSettings) -
     return False
 
 
-def max_list_age(vms: Iterable[VMObj], now: dt.datetime, settings: PassSettings) -> float:
+def max_list_age(vms: Iterable[VM], now: dt.datetime, settings: PassSettings) -> float:
     """Seconds: the oldest runner list this pass may use (see the module docstring)."""
     if fresh_wait(vms, now, settings):
         return settings.awaiting_runner_list_seconds

@@ -26,7 +26,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from impvm.scaling.world import VMObj
+from impvm.api.vm import VM
 
 WINDOW_SECONDS = 3600.0
 #: samples kept per kind (the oldest go first): bounds memory whatever the job rate
@@ -42,14 +42,18 @@ class Sample:
     seconds: float
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TimingWindow:
-    """Samples by kind, then by VM name."""
+    """Samples by kind, then by VM name (a value: :func:`observe` returns a new one), and when
+    the oldest of them ended (None: no sample)."""
 
-    samples: dict[str, dict[str, Sample]] = field(default_factory=lambda: {k: {} for k in KINDS})
+    samples: Mapping[str, Mapping[str, Sample]] = field(
+        default_factory=lambda: {k: {} for k in KINDS}
+    )
+    oldest: dt.datetime | None = None
 
 
-def durations(vm: VMObj) -> dict[str, Sample]:
+def durations(vm: VM) -> dict[str, Sample]:
     """The durations ``vm``'s timing fields give (kinds whose two ends are recorded)."""
     t = vm.status.timings
     out: dict[str, Sample] = {}
@@ -66,20 +70,28 @@ def durations(vm: VMObj) -> dict[str, Sample]:
     return out
 
 
-def observe(window: TimingWindow, vms: Iterable[VMObj], now: dt.datetime) -> TimingWindow:
+def observe(window: TimingWindow, vms: Iterable[VM], now: dt.datetime) -> TimingWindow:
     """``window`` with the durations of ``vms`` added and samples older than an hour (or
-    beyond :data:`MAX_SAMPLES`) dropped. Returns a new window."""
-    out = TimingWindow({k: dict(v) for k, v in window.samples.items()})
+    beyond :data:`MAX_SAMPLES`) dropped: a new window, or ``window`` itself when nothing
+    changed (a pass over the same VMs copies nothing)."""
+    horizon = now - dt.timedelta(seconds=WINDOW_SECONDS)
+    added: dict[str, dict[str, Sample]] = {}
     for vm in vms:
         for kind, sample in durations(vm).items():
-            out.samples.setdefault(kind, {})[vm.name] = sample
-    horizon = now - dt.timedelta(seconds=WINDOW_SECONDS)
-    for kind, by_vm in out.samples.items():
+            if sample.at >= horizon and window.samples.get(kind, {}).get(vm.name) != sample:
+                added.setdefault(kind, {})[vm.name] = sample
+    stale = window.oldest is not None and window.oldest < horizon
+    if not added and not stale:
+        return window
+    samples: dict[str, Mapping[str, Sample]] = {}
+    for kind in {*window.samples, *added}:
+        by_vm = {**window.samples.get(kind, {}), **added.get(kind, {})}
         fresh = sorted(
             ((n, s) for n, s in by_vm.items() if s.at >= horizon), key=lambda kv: kv[1].at
         )
-        out.samples[kind] = dict(fresh[-MAX_SAMPLES:])
-    return out
+        samples[kind] = dict(fresh[-MAX_SAMPLES:])
+    ends = [s.at for by_vm in samples.values() for s in by_vm.values()]
+    return TimingWindow(samples, min(ends) if ends else None)
 
 
 def quantile(values: list[float], q: float) -> float:

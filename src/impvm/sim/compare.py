@@ -12,8 +12,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from impvm.api.models import ScalingSpec, WarmPoolSpec
-from impvm.scaling import PoolLimits
 from impvm.scaling.labels import job_matches
+from impvm.scaling.poolpass import PoolLimits
 from impvm.scaling.warmpool import WarmPoolPolicy
 from impvm.sim.engine import RunResult, simulate
 from impvm.sim.model import Distribution, Model
@@ -55,6 +55,20 @@ class Setup:
     limits: PoolLimits
     warm: WarmPoolPolicy
     bin_seconds: float = 600.0
+    #: the adaptive pool's ``scaling.warmPool`` and its own minIdle, as a pool spec says them
+    warm_pool: WarmPoolSpec | None = None
+    adaptive_min_idle: int = 0
+
+    def scaling(self, adaptive: bool) -> ScalingSpec:
+        """``spec.scaling`` of the fixed pool (minIdle) or of the adaptive one."""
+        lim = self.limits
+        return ScalingSpec(
+            min_idle=self.adaptive_min_idle if adaptive else lim.min_idle,
+            max_concurrent=lim.max_concurrent,
+            scale_up_step=lim.scale_up_step,
+            cooldown_seconds=lim.cooldown_seconds,
+            warm_pool=self.warm_pool if adaptive else None,
+        )
 
     @classmethod
     def build(
@@ -136,6 +150,8 @@ class Setup:
             limits=limits,
             warm=warm,
             bin_seconds=bin_seconds,
+            warm_pool=warm_pool,
+            adaptive_min_idle=adaptive_min_idle,
         )
 
 
@@ -158,9 +174,9 @@ def make_policy(name: str, setup: Setup, start: datetime) -> Policy:
     lim = setup.limits
     if name == "fixed":
         fixed = WarmPoolPolicy(min_idle=lim.min_idle, max_idle=lim.min_idle)
-        return DeciderPolicy("fixed", _warm_label(fixed), lim, fixed, start)
+        return DeciderPolicy("fixed", _warm_label(fixed), setup.scaling(False), start)
     if name == "adaptive":
-        return DeciderPolicy("adaptive", _warm_label(setup.warm), lim, setup.warm, start)
+        return DeciderPolicy("adaptive", _warm_label(setup.warm), setup.scaling(True), start)
     if name == "arc":
         return ArcPolicy(min_runners=lim.min_idle, max_runners=lim.max_concurrent)
     if name == "garm":

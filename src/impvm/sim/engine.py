@@ -36,9 +36,10 @@ from datetime import datetime, timedelta
 from enum import IntEnum
 
 from impvm.scaling.labels import job_matches
+from impvm.sim.machine import Machine
 from impvm.sim.model import Model
 from impvm.sim.trace import TraceJob
-from impvm.sim.world import Actions, Policy, PoolView, SimVM
+from impvm.sim.world import PREFIX, Actions, Policy, PoolView
 
 __all__ = ["DEFAULT_BIN_SECONDS", "DEFAULT_HORIZON_SECONDS", "RunResult", "simulate"]
 
@@ -111,11 +112,11 @@ class _Run:
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.now = 0.0
-        self.vms: dict[str, SimVM] = {}
-        self.by_id: dict[int, SimVM] = {}
+        self.vms: dict[str, Machine] = {}
+        self.by_id: dict[int, Machine] = {}
         self.next_id = 1
         self.waiting: list[tuple[float, int]] = []  # (queued, job): no runner yet
-        self.reserved: dict[int, tuple[SimVM, int]] = {}  # job -> (runner, token)
+        self.reserved: dict[int, tuple[Machine, int]] = {}  # job -> (runner, token)
         self.tokens = 0
         self.idle_since: dict[str, float] = {}  # idle runners not reserved -> since
         self.pass_pending = False
@@ -195,7 +196,8 @@ class _Run:
         vm = self.by_id.get(runner_id)
         if vm is None or vm.online is not None:
             return  # deleted while booting
-        vm.online, vm.online_at = self.now, self.at(self.now)
+        vm.online = self.now
+        vm.changed()
         self.idle_count += 1
         self.idle_since[vm.name] = self.now
         self.ready.append((self.now, self.now - vm.created))
@@ -209,6 +211,7 @@ class _Run:
         vm = held[0]
         del self.reserved[job]
         vm.started = True
+        vm.changed()
         self.idle_count -= 1
         queued = self.trace[job].queued_at
         q = (queued - self.start).total_seconds()
@@ -221,6 +224,7 @@ class _Run:
     def on_done(self, runner_id: int) -> None:
         vm = self.by_id[runner_id]
         vm.done = True
+        vm.changed()
         self.completed += 1
         self.completed_total += 1
         self.wake()
@@ -239,7 +243,7 @@ class _Run:
         view = PoolView(
             now=self.now,
             clock=self.at(self.now),
-            vms=tuple(self.vms.values()),
+            vms=tuple(m.vm() for m in self.vms.values()),
             queued=len(queued_jobs),
             queued_jobs=tuple(queued_jobs),
             arrivals=tuple(self.arrivals),
@@ -259,6 +263,14 @@ class _Run:
     def apply(self, actions: Actions) -> bool:
         """Carry out ``actions``; True when a VM was created or deleted."""
         changed = False
+        for name, patch in actions.records:
+            machine = self.vms.get(name)
+            if machine is not None:
+                for k, v in patch.items():
+                    old = machine.recorded.get(k)
+                    merged = {**old, **v} if isinstance(old, dict) and isinstance(v, dict) else v
+                    machine.recorded[k] = merged
+                machine.changed()
         for name in actions.delete:
             vm = self.vms.pop(name, None)
             if vm is None:
@@ -277,8 +289,8 @@ class _Run:
             n = self.next_id
             self.next_id += 1
             trigger = actions.triggers[i] if i < len(actions.triggers) else None
-            vm = SimVM(
-                name=f"vm-{n:06d}",
+            vm = Machine(
+                name=f"{PREFIX}{n:06x}",
                 runner_id=n,
                 created=self.now,
                 created_at=self.at(self.now),

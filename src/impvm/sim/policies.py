@@ -1,10 +1,10 @@
 """Scaling policies the simulator compares.
 
-* :class:`DeciderPolicy`: this project's pool controller: :func:`impvm.scaling.warm_pool_target`
-  (``fixed`` or ``adaptive`` warm pool) gives ``minIdle``, then :func:`impvm.scaling.decide`
-  sizes the pool (``desired = min(maxConcurrent, busy + pending + minIdle)``, ``scaleUpStep``,
-  ``cooldownSeconds``), both called exactly as the operator calls them, with the pool's VMs and
-  runner registrations as Kubernetes and GitHub would report them.
+* :class:`DeciderPolicy`: this project's pool controller: the real pool pass
+  (:func:`impvm.scaling.poolpass.pool_acts`, then :func:`~impvm.scaling.poolpass.conclude_pass`,
+  whose memory and status the next pass starts from) over a world the simulator observes as
+  the operator would (its VMs as Kubernetes reports them, their runners as GitHub lists them,
+  the queued jobs and their arrivals as the job table holds them).
 * :class:`ArcPolicy`: ARC's runner scale sets (minRunners + assigned jobs).
 * :class:`GarmPolicy`: GARM's pool manager (min idle runners + a runner per queued job).
 * :class:`ImpPolicy`: Imp's runner-pool controller (busy runners counted as idle).
@@ -15,19 +15,41 @@ Every policy deletes a VM once its job finished (each runner is single-use).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
-from impvm.scaling import PoolLimits, PoolSnapshot, RunnerView, VMView, decide
-from impvm.scaling.warmpool import (
-    JobQueued,
-    RunnerReady,
-    WarmPoolEvent,
-    WarmPoolPolicy,
-    WarmPoolState,
-    warm_pool_target,
+from impvm.api.conditions import merge_conditions
+from impvm.api.models import ImpVMRunnerPoolSpec, ImpVMRunnerPoolStatus, ScalingSpec
+from impvm.api.patches import wire
+from impvm.api.vm import VM
+from impvm.scaling.jobtable import Arrival
+from impvm.scaling.poolpass import (
+    ActsDone,
+    ClassObj,
+    Deleted,
+    GitHubView,
+    PoolMemory,
+    PoolObj,
+    PoolWorld,
+    RunnerView,
+    TemplateObj,
+    conclude_pass,
+    pool_acts,
 )
-from impvm.sim.world import Actions, PoolView, SimVM
+from impvm.scaling.warmpool import WarmPoolState
+from impvm.sim.world import (
+    CLASS,
+    POOL,
+    POOL_UID,
+    TEMPLATE,
+    Actions,
+    PoolView,
+    busy,
+    idle,
+    starting,
+    trigger_job,
+)
 
 __all__ = [
     "GARM_JOB_BACKOFF_SECONDS",
@@ -38,101 +60,132 @@ __all__ = [
 ]
 
 
-def _finished(vms: tuple[SimVM, ...]) -> list[str]:
-    return [vm.name for vm in vms if vm.done]
+def _finished(vms: tuple[VM, ...]) -> list[str]:
+    return [vm.name for vm in vms if vm.is_terminal]
 
 
-def _live(vms: tuple[SimVM, ...]) -> list[SimVM]:
-    return [vm for vm in vms if not vm.done]
+def _live(vms: tuple[VM, ...]) -> list[VM]:
+    return [vm for vm in vms if not vm.is_terminal]
 
 
 # --------------------------------------------------------------------------------------------
-# This project's decider
+# This project's pool pass
 
 
-_Views = tuple[tuple[bool, bool, bool], VMView, RunnerView | None]
-
-
-def _view(vm: SimVM) -> _Views:
-    """A VM and its runner registration as the operator observes them: the VM is Starting until
-    its runner is online, then Running, and Succeeded once its job finished; its JIT
-    registration exists (offline) from creation, is online once the runner is, busy while the
-    job runs, and gone after the job (an ephemeral runner deregisters itself)."""
-    phase = "Succeeded" if vm.done else ("Running" if vm.online is not None else "Starting")
-    view = VMView(
-        name=vm.name,
-        created_at=vm.created_at,
-        phase=phase,
-        started_at=vm.online_at,
-        runner_id=vm.runner_id,
-        has_secret=True,
-        job_id=vm.job if vm.started else None,
+def _pool_spec(scaling: ScalingSpec) -> ImpVMRunnerPoolSpec:
+    """A pool of the simulated template whose jobs arrive as webhook deliveries would."""
+    wire_scaling = scaling.wire() | {"mode": "webhook", "webhook": {"secretRef": {"name": "sim"}}}
+    return ImpVMRunnerPoolSpec.model_validate(
+        {
+            "templateName": "sim",
+            "labels": ["sim"],
+            "platform": {
+                "type": "github-actions",
+                "scope": {"org": "sim"},
+                "credentialsSecret": "sim",
+            },
+            "scaling": wire_scaling,
+        }
     )
-    runner = (
-        None
-        if vm.done
-        else RunnerView(
-            id=vm.runner_id, name=vm.name, online=vm.online is not None, busy=vm.started
-        )
-    )
-    return (vm.online is not None, vm.started, vm.done), view, runner
+
+
+def _runner(vm: VM) -> RunnerView | None:
+    """The VM's registration as GitHub lists it: from its creation (offline) until its job
+    finished (an ephemeral runner deregisters itself then)."""
+    if vm.is_terminal:
+        return None
+    return RunnerView(id=vm.runner_id or 0, name=vm.name, online=not starting(vm), busy=busy(vm))
 
 
 @dataclass(slots=True)
 class DeciderPolicy:
-    """:func:`impvm.scaling.decide` with ``minIdle`` from :func:`impvm.scaling.
-    warm_pool_target`, the pass of the operator's pool controller. ``start`` is the clock at
-    simulation time 0. The warm pool's events are the jobs queued and the runners that came
-    online since the previous pass, each at the time it happened."""
+    """The operator's pool pass over the simulated pool (``scaling``: its ``spec.scaling``;
+    mode and the rest as a webhook-mode pool). ``start`` is the clock at simulation time 0.
+    What a pass concludes is kept as the operator keeps it: the memory in the policy, the
+    status as the API server would store it (its write merged in)."""
 
     name: str
     label: str
-    limits: PoolLimits
-    warm: WarmPoolPolicy
+    scaling: ScalingSpec
     start: datetime
     tick_seconds: float = 10.0
     tick_mode: str = "resync"
-    state: WarmPoolState = field(default_factory=WarmPoolState)
-    last_scale_up: datetime | None = None
+    memory: PoolMemory = field(default_factory=PoolMemory)
+    stored: dict[str, Any] = field(default_factory=dict)
     #: (seconds, target) whenever the warm-pool target changed
     targets: list[tuple[float, int]] = field(default_factory=list)
-    seen: dict[str, _Views] = field(default_factory=dict)
+    #: the job arrivals not yet folded into the warm pool, numbered as the job table does
+    arrived: list[Arrival] = field(default_factory=list)
+    seq: int = 0
+    #: each VM's registration, by the VM read model it was made from (the engine hands out
+    #: the same object until the VM changes)
+    listed: dict[int, tuple[VM, RunnerView | None]] = field(default_factory=dict)
+    spec: ImpVMRunnerPoolSpec | None = None
 
     def _at(self, t: float) -> datetime:
         return self.start + timedelta(seconds=t)
 
-    def plan(self, view: PoolView) -> Actions:
-        events: list[WarmPoolEvent] = [JobQueued(self._at(t)) for t in view.arrivals]
-        events += [RunnerReady(self._at(t), s) for t, s in view.ready]
-        warm = warm_pool_target(self.warm, self.state, events, view.clock)
-        self.state = warm.state
-        if not self.targets or self.targets[-1][1] != warm.target:
-            self.targets.append((view.now, warm.target))
-        vms: list[VMView] = []
-        runners: list[RunnerView] = []
-        cache: dict[str, _Views] = {}
-        for vm in view.vms:  # rebuilt only when the VM changed since the previous pass
-            known = self.seen.get(vm.name)
-            key = (vm.online is not None, vm.started, vm.done)
-            entry = known if known is not None and known[0] == key else _view(vm)
-            cache[vm.name] = entry
-            vms.append(entry[1])
-            if entry[2] is not None:
-                runners.append(entry[2])
-        self.seen = cache
-        plan = decide(
-            PoolSnapshot(
-                limits=replace(self.limits, min_idle=warm.target),
-                now=view.clock,
-                vms=tuple(vms),
-                runners=tuple(runners),
-                queued_jobs=view.queued,
-                last_scale_up_time=self.last_scale_up,
-            )
+    @property
+    def state(self) -> WarmPoolState:
+        """The warm pool's estimates as the last pass left them."""
+        return self.memory.warm.state or WarmPoolState()
+
+    def _world(self, view: PoolView) -> PoolWorld:
+        if self.spec is None:
+            self.spec = _pool_spec(self.scaling)
+        first = self.seq + 1
+        self.arrived += [Arrival(first + i, self._at(t)) for i, t in enumerate(view.arrivals)]
+        self.seq += len(view.arrivals)
+        cursor = self.memory.warm.cursor
+        self.arrived = [a for a in self.arrived if a.seq > cursor]
+        pool = PoolObj(
+            namespace=POOL,
+            name=POOL,
+            uid=POOL_UID,
+            generation=1,
+            spec=self.spec,
+            status=ImpVMRunnerPoolStatus.model_validate(self.stored),
+            stored_status=self.stored,
         )
-        if plan.scaled_up:
-            self.last_scale_up = view.clock
-        return Actions(create=plan.create, delete=tuple(d.name for d in plan.delete_vms))
+        listed = {}
+        for vm in view.vms:
+            known = self.listed.get(id(vm))
+            listed[id(vm)] = known if known is not None and known[0] is vm else (vm, _runner(vm))
+        self.listed = listed
+        runners = tuple(r for _, r in listed.values() if r is not None)
+        return PoolWorld(
+            pool=pool,
+            now=view.clock,
+            mono=view.now,
+            template=TemplateObj(name="sim", spec=TEMPLATE),
+            vm_class=ClassObj(name=CLASS[0], spec=CLASS[1]),
+            vms=view.vms,
+            secrets=frozenset(vm.spec.runner_config_secret or "" for vm in view.vms),
+            github=GitHubView(connected=True, runners=runners),
+            pending_jobs=view.queued,
+            arrivals=tuple(self.arrived),
+            arrivals_read=self.seq,
+            memory=self.memory,
+        )
+
+    def plan(self, view: PoolView) -> Actions:
+        world = self._world(view)
+        acts = pool_acts(world)
+        deleted = tuple(Deleted(name=d.name, gone=True) for d in acts.deletions)
+        end = conclude_pass(world, acts, ActsDone(created=acts.create, deleted=deleted))
+        if end.write:
+            conds = merge_conditions(self.stored.get("conditions") or [], end.conditions)
+            self.stored = {**self.stored, **wire(end.status), "conditions": conds}
+        self.memory = end.memory
+        if acts.warm is not None:
+            target = acts.warm[0].target
+            if not self.targets or self.targets[-1][1] != target:
+                self.targets.append((view.now, target))
+        return Actions(
+            create=acts.create,
+            delete=tuple(d.name for d in acts.deletions),
+            records=tuple((r.name, wire(r.status)) for r in acts.records),
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,7 +221,7 @@ class ArcPolicy:
 
     def plan(self, view: PoolView) -> Actions:
         live = _live(view.vms)
-        assigned = view.queued + sum(1 for vm in live if vm.busy)
+        assigned = view.queued + sum(1 for vm in live if busy(vm))
         target = min(self.max_runners, self.min_runners + assigned)
         if assigned == 0 and view.completed == 0:
             target = max(self.last_target, target)  # empty batch
@@ -179,7 +232,8 @@ class ArcPolicy:
         surplus = len(live) - target
         # pending runners first, then idle ones (newest first); busy ones are never deleted
         spare = sorted(
-            (vm for vm in live if not vm.busy), key=lambda v: (not v.starting, -v.created)
+            (vm for vm in live if not busy(vm)),
+            key=lambda v: (not starting(v), -v.created_at.timestamp(), v.name),
         )
         delete += [vm.name for vm in spare[:surplus]]
         return Actions(delete=tuple(delete))
@@ -241,7 +295,7 @@ class GarmPolicy:
             self.updated.setdefault(job, q)
         for job, vm_name in view.started:
             vm = by_name.get(vm_name)
-            trigger = vm.trigger_job if vm is not None else None
+            trigger = trigger_job(vm) if vm is not None else None
             self.locked.discard(job)
             if trigger is not None and trigger != job and trigger in self.locked:
                 self.locked.discard(trigger)  # BreakLockJobIsQueued
@@ -253,7 +307,7 @@ class GarmPolicy:
         if now >= self.next_consolidate:
             self.next_consolidate = now + _GARM_CONSOLIDATE
             existing = len(live)
-            idle_or_pending = sum(1 for vm in live if not vm.busy)
+            idle_or_pending = sum(1 for vm in live if not busy(vm))
             if existing < self.max_runners and idle_or_pending < self.min_idle:
                 create = min(self.min_idle - idle_or_pending, self.max_runners - existing)
             for job, _ in view.queued_jobs:
@@ -277,11 +331,11 @@ class GarmPolicy:
             self.updated = {j: t for j, t in self.updated.items() if j in queued}
         if now >= self.next_scale_down:
             self.next_scale_down = now + _GARM_SCALE_DOWN
-            idle = [vm for vm in live if vm.idle]
-            surplus = len(idle) - (self.min_idle + view.queued)
+            idle_vms = [vm for vm in live if idle(vm)]
+            surplus = len(idle_vms) - (self.min_idle + view.queued)
             if surplus > 0:
                 n = math.ceil(surplus * _GARM_SCALE_DOWN_FACTOR)
-                delete += [vm.name for vm in idle[:n]]
+                delete += [vm.name for vm in idle_vms[:n]]
         # runners made for min idle come first, those made for jobs carry their job
         pad: list[int | None] = [None] * (create - len(triggers))
         triggers = pad + triggers

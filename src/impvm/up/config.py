@@ -47,6 +47,7 @@ from impvm.api.models import (
     ImpVMRunnerPoolSpec,
     ImpVMTemplateSpec,
 )
+from impvm.scaling.settings import OperatorTunables
 
 #: Secret the App credentials are written to (keys github_app_id, github_app_installation_id,
 #: github_app_private_key), in ``kubernetes.namespace``; the name the runner-pool docs' minimal
@@ -101,30 +102,15 @@ class GitHubConfig(_Model):
     )
 
 
-class OperatorConfig(_Model):
-    """The operator process."""
+class OperatorConfig(OperatorTunables):
+    """The operator process: where it listens, and its tunables (the fields and defaults of
+    ``impvm operator``'s options, :class:`impvm.scaling.settings.OperatorTunables`)."""
+
+    model_config = _Model.model_config
 
     listen: str = Field(
         default="0.0.0.0:8080",  # GitHub must reach the webhook receiver
         description="HOST:PORT of POST /webhooks/github, GET /metrics and GET /healthz.",
-    )
-    node_lost_grace_seconds: float = Field(default=60.0, ge=0, alias="nodeLostGraceSeconds")
-    poll_calls_per_hour: float = Field(
-        default=18000.0,
-        ge=60,
-        allow_inf_nan=False,
-        alias="pollCallsPerHour",
-        description="Requests an hour the job poller of one GitHub installation may make, 304s "
-        "included; it reads the repositories of all the installation's polling pools, busy "
-        "ones every poll and the rest in turn (docs/architecture.md, Polling).",
-    )
-    poll_rate_limit_share: float = Field(
-        default=0.5,
-        ge=0.01,
-        le=1,
-        alias="pollRateLimitShare",
-        description="Share of the installation's rate limit (GitHub's hourly window) the job "
-        "poller may spend; JIT configs and runner listings use the rest.",
     )
 
     @field_validator("listen")

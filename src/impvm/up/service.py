@@ -10,7 +10,7 @@ Data directory (mode 0700)::
     operator.kubeconfig  the operator's identity (a client certificate of its ServiceAccount)
     agent-<node>.kubeconfig, agent-<node>-api.token   the agent's identity: a token of its
                          ServiceAccount bound to the Node object <node>, so the API server's
-                         admission policies (deploy/policies) know which node writes
+                         admission policies (deploy/admission) know which node writes
     agent-<node>.token   the agent's node-bound token for the operator's JIT config hand-out
     agent-<node>/        image cache and per-VM scratch
     operator.log, agent-<node>.log
@@ -28,6 +28,7 @@ import atexit
 import base64
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -44,7 +45,9 @@ from lightkube.codecs import load_all_yaml
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ApiError
 from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.admissionregistration_v1 import ValidatingAdmissionPolicy
 from lightkube.resources.core_v1 import Namespace, Secret
+from lightkube.types import PatchType
 
 from impvm.agent.qemu import kill_all_recorded
 from impvm.api.models import AGENT_LEASE_NAMESPACE, JIT_HANDOUT_AUDIENCE
@@ -58,6 +61,10 @@ from impvm.devstack.kube import admin_client, install_crds, node_bound_token
 from impvm.up.config import APP_SECRET, WEBHOOK_SECRET, ConfigError, UpConfig
 
 FIELD_MANAGER = "impvm-up"
+#: seconds an object is retried while an admission policy is still being configured
+POLICY_READY_SECONDS = 120.0
+POLICY_REQUEUE_SECONDS = 5.0
+REQUEUED_ANNOTATION = "imp.dev/requeued-at"
 #: label of the objects this service applies from its configuration (and prunes when they
 #: leave it); objects applied with kubectl do not carry it and are left alone
 MANAGED_BY = {"app.kubernetes.io/managed-by": "impvm-up"}
@@ -71,9 +78,19 @@ def rbac_manifest(component: str) -> str:
 
 
 def policy_manifest() -> str:
-    """deploy/policies/agent.yaml as shipped in the package (a verbatim copy): the admission
+    """deploy/admission/agent.yaml as shipped in the package (a verbatim copy): the admission
     policies that hold each agent to its own node."""
-    return (resources.files("impvm.up") / "assets" / "policies" / "agent.yaml").read_text()
+    return (resources.files("impvm.up") / "assets" / "admission" / "agent.yaml").read_text()
+
+
+def admission_manifests() -> list[str]:
+    """deploy/admission/*.yaml as shipped in the package (verbatim copies), by file name."""
+    folder = resources.files("impvm.up") / "assets" / "admission"
+    return [
+        f.read_text()
+        for f in sorted(folder.iterdir(), key=lambda f: f.name)
+        if f.name.endswith(".yaml")
+    ]
 
 
 def default_node_name() -> str:
@@ -153,6 +170,7 @@ class Service:
         for ns in {SYSTEM_NAMESPACE, k.namespace}:
             await self._ensure_namespace(ns)
         await self._apply_rbac()
+        await self._apply_admission()
         await self._apply_secrets()
         await self._apply_objects(dry_run=True)
         if start_agent:
@@ -171,23 +189,30 @@ class Service:
                 raise
 
     async def _apply_rbac(self) -> None:
-        """The components' ServiceAccounts and roles (deploy/rbac), the agent's admission
-        policies (deploy/policies), and a kubeconfig per component that acts as its
-        ServiceAccount: the processes get exactly what a cluster deployment grants them. The
+        """The components' ServiceAccounts and roles (deploy/rbac) and a kubeconfig per
+        component that acts as its ServiceAccount: the processes get exactly what a cluster
+        deployment grants them. The
         agent's is a token bound to its Node object, as a DaemonSet pod's is bound to its pod:
-        without a node name the policies refuse its every write."""
+        without a node name the admission policies refuse its every write."""
         assert self.kube is not None and self.control_plane is not None
         for component in COMPONENTS:
             for obj in load_all_yaml(rbac_manifest(component)):
                 await self.kube.apply(obj, force=True)
-        for obj in load_all_yaml(policy_manifest()):
-            await self.kube.apply(obj, force=True)
         sa = f"system:serviceaccount:{SYSTEM_NAMESPACE}:impvm-operator"
         groups = ["system:serviceaccounts", f"system:serviceaccounts:{SYSTEM_NAMESPACE}"]
         path = self.data_dir / "operator.kubeconfig"
         await asyncio.to_thread(self.control_plane.client_kubeconfig, path, sa, groups)
         self.kubeconfigs["operator"] = path
         self.kubeconfigs["agent"] = await asyncio.to_thread(self.agent_kubeconfig, self.node_name)
+
+    async def _apply_admission(self) -> None:
+        """The admission policies (deploy/admission: what an agent may write, which namespaces
+        may use each class), the API server's own checks, applied before any object of the
+        configuration and before an agent starts."""
+        assert self.kube is not None
+        for manifest in admission_manifests():
+            for obj in load_all_yaml(manifest):
+                await self.kube.apply(obj, force=True)
 
     async def _apply_secrets(self) -> None:
         """The App credentials (and webhook secret) from their files into Secrets of the
@@ -250,12 +275,40 @@ class Service:
         :class:`ConfigError` naming the object and the field the API server names."""
         assert self.kube is not None
         for where, obj in self._objects():
-            try:
-                await self.kube.apply(obj, force=True, dry_run=dry_run)
-            except ApiError as e:
-                if e.status.code not in (400, 422):
-                    raise
-                raise ConfigError(f"{self.source}: {where}: {_one_line(e)}") from None
+            deadline = time.monotonic() + POLICY_READY_SECONDS
+            requeued = 0.0
+            while True:
+                try:
+                    await self.kube.apply(obj, force=True, dry_run=dry_run)
+                    break
+                except ApiError as e:
+                    if _policy_not_ready(e) and time.monotonic() < deadline:
+                        # a started API server reads a policy's parameter kind (a CRD) a
+                        # moment after it serves it: the object is not refused, only early
+                        if time.monotonic() - requeued > POLICY_REQUEUE_SECONDS:
+                            await self._requeue_policy(e)
+                            requeued = time.monotonic()
+                        await asyncio.sleep(0.5)
+                        continue
+                    if e.status.code not in (400, 422):
+                        raise
+                    raise ConfigError(f"{self.source}: {where}: {_one_line(e)}") from None
+
+    async def _requeue_policy(self, e: ApiError) -> None:
+        """Touch the admission policy ``e`` names (an annotation) so the API server configures
+        it again now. Its policy controller retries a policy whose CRD ``paramKind`` it did not
+        find yet with exponential backoff and otherwise only when the policy changes; after an
+        API server restart that backoff outlasts any wait (kubernetes/kubernetes issues
+        122658 and 124237)."""
+        assert self.kube is not None
+        name = _policy_name(e)
+        if name is None:
+            return
+        patch = {"metadata": {"annotations": {REQUEUED_ANNOTATION: f"{time.time():.3f}"}}}
+        with contextlib.suppress(ApiError):
+            await self.kube.patch(
+                ValidatingAdmissionPolicy, name, patch, patch_type=PatchType.MERGE
+            )
 
     async def _prune(self) -> None:
         """Delete objects an earlier configuration applied that this one no longer holds."""
@@ -407,12 +460,7 @@ class Service:
             host,
             "--http-port",
             str(port),
-            "--node-lost-grace-seconds",
-            str(self.config.operator.node_lost_grace_seconds),
-            "--poll-calls-per-hour",
-            str(self.config.operator.poll_calls_per_hour),
-            "--poll-rate-limit-share",
-            str(self.config.operator.poll_rate_limit_share),
+            *self.config.operator.options(),
             "--advertise-url",
             f"http://{_near(host)}:{port}",
         ]
@@ -513,6 +561,19 @@ def _near(host: str) -> str:
     if host in ("", "0.0.0.0", "::"):  # noqa: S104 - the address it listens on, not ours
         host = "127.0.0.1"
     return f"[{host}]" if ":" in host else host
+
+
+def _policy_not_ready(e: ApiError) -> bool:
+    """Whether ``e`` is an admission policy that is not configured yet (the API server answers
+    403 "failed to configure policy" until its informer for the policy's ``paramKind`` has
+    synced), not a refusal of the object."""
+    return e.status.code == 403 and "failed to configure policy" in (e.status.message or "")
+
+
+def _policy_name(e: ApiError) -> str | None:
+    """The admission policy a 403 names (``ValidatingAdmissionPolicy 'NAME' denied ...``)."""
+    m = re.search(r"ValidatingAdmissionPolicy '([a-z0-9.-]+)'", e.status.message or "")
+    return m.group(1) if m else None
 
 
 def _one_line(e: ApiError) -> str:

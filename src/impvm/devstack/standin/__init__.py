@@ -78,9 +78,12 @@ class StandIn:
             emit_workflow_job(self._app, "queued", job)
         return job
 
-    def add_webhook(self, url: str, secret: str, drop_rate: float = 0.0) -> None:
-        """Deliver signed ``workflow_job`` webhooks to ``url`` (losing ``drop_rate`` of them)."""
-        self.state.webhooks.append(WebhookTarget(url, secret, drop_rate))
+    def add_webhook(
+        self, url: str, secret: str, drop_rate: float = 0.0, app_id: int | None = None
+    ) -> None:
+        """Deliver signed ``workflow_job`` webhooks to ``url`` (losing ``drop_rate`` of them):
+        the events of ``app_id``'s installations only, when given (an App's webhook)."""
+        self.state.webhooks.append(WebhookTarget(url, secret, drop_rate, app_id))
 
     async def stop(self) -> None:
         """Stop serving. Idempotent."""

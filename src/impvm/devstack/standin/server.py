@@ -134,20 +134,29 @@ def _verify_jwt(state: StandInState, raw: str) -> Caller:
         app = state.apps[int(unverified["iss"])]
     except (KeyError, ValueError, TypeError):
         raise ApiError(401, "'Issuer' claim ('iss') must be an Integer") from None
-    try:
-        claims = jwt.decode(
-            raw,
-            app.public_key,
-            algorithms=["RS256"],
-            options={"require": ["iat", "exp", "iss"]},
-            leeway=0,
-        )
-    except jwt.ExpiredSignatureError:
-        raise ApiError(401, "'Expiration time' claim ('exp') is too far in the past") from None
-    except jwt.ImmatureSignatureError:
-        raise ApiError(401, "'Issued at' claim ('iat') must be an Integer in the past") from None
-    except jwt.PyJWTError:
-        raise refused from None
+    claims: dict[str, Any] | None = None
+    for key in app.keys:  # an App may have several keys at once (rotation)
+        try:
+            claims = jwt.decode(
+                raw,
+                key,
+                algorithms=["RS256"],
+                options={"require": ["iat", "exp", "iss"]},
+                leeway=0,
+            )
+            break
+        except jwt.ExpiredSignatureError:
+            raise ApiError(401, "'Expiration time' claim ('exp') is too far in the past") from None
+        except jwt.ImmatureSignatureError:
+            raise ApiError(
+                401, "'Issued at' claim ('iat') must be an Integer in the past"
+            ) from None
+        except jwt.InvalidSignatureError:
+            continue
+        except jwt.PyJWTError:
+            raise refused from None
+    if claims is None:
+        raise refused
     now = time.time()
     if int(claims["iat"]) > now + 60:
         raise ApiError(401, "'Issued at' claim ('iat') must be an Integer in the past")
@@ -610,9 +619,13 @@ def emit_workflow_job(app: web.Application, action: str, job: JobRec) -> None:
     state = app[STATE_KEY]
     if not state.webhooks:
         return
-    payload = state.workflow_job_payload(action, job, _installation_for(state, job.repo))
+    installation = _installation_for(state, job.repo)
+    payload = state.workflow_job_payload(action, job, installation)
     body = json.dumps(payload).encode()
+    inst = state.installations.get(installation) if installation is not None else None
     for target in list(state.webhooks):
+        if target.app_id is not None and (inst is None or inst.app_id != target.app_id):
+            continue  # not this App's installation: its webhook never hears of the job
         if target.drop_rate and random.random() < target.drop_rate:
             state.deliveries.append(
                 Delivery(str(uuid.uuid4()), "workflow_job", action, None, error="dropped")

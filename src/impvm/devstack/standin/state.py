@@ -25,6 +25,19 @@ LEVELS = {"read": 1, "write": 2, "admin": 3}
 DOCS = "https://docs.github.com/rest"
 
 
+def _public_key(pem: str) -> RSAPublicKey:
+    """An RSA public key from a public or private key PEM (the public part of the latter)."""
+    data = pem.encode()
+    key: Any
+    if b"PRIVATE KEY" in data:
+        key = serialization.load_pem_private_key(data, password=None).public_key()
+    else:
+        key = serialization.load_pem_public_key(data)
+    if not isinstance(key, RSAPublicKey):
+        raise ValueError("app key must be RSA")
+    return key
+
+
 def iso(ts: float | None) -> str | None:
     """Epoch seconds -> GitHub's ``YYYY-MM-DDTHH:MM:SSZ`` (``None`` stays ``None``)."""
     if ts is None:
@@ -42,6 +55,13 @@ class App:
     id: int
     slug: str
     public_key: RSAPublicKey
+    #: further keys GitHub accepts for the App (an App may have several private keys at once,
+    #: "Managing private keys for GitHub Apps": how a key is rotated without downtime)
+    more_keys: list[RSAPublicKey] = field(default_factory=list)
+
+    @property
+    def keys(self) -> list[RSAPublicKey]:
+        return [self.public_key, *self.more_keys]
 
 
 @dataclass
@@ -197,6 +217,9 @@ class WebhookTarget:
     secret: str
     #: fraction of deliveries silently lost (tests of webhook loss), 0..1
     drop_rate: float = 0.0
+    #: the App whose webhook this is: it receives only the events of that App's installations
+    #: (None: every event, like an organisation webhook of every org)
+    app_id: int | None = None
 
 
 @dataclass
@@ -236,17 +259,22 @@ class StandInState:
 
     def add_app(self, app_id: int, public_key_pem: str, slug: str = "impvm-test") -> App:
         """Register an App by its public key (PEM), or a private key PEM (public part used)."""
-        data = public_key_pem.encode()
-        key: Any
-        if b"PRIVATE KEY" in data:
-            key = serialization.load_pem_private_key(data, password=None).public_key()
-        else:
-            key = serialization.load_pem_public_key(data)
-        if not isinstance(key, RSAPublicKey):
-            raise ValueError("app key must be RSA")
-        app = App(app_id, slug, key)
+        app = App(app_id, slug, _public_key(public_key_pem))
         self.apps[app_id] = app
         return app
+
+    def add_app_key(self, app_id: int, public_key_pem: str) -> None:
+        """Give an App another key (GitHub: "Generate a private key" beside the old one)."""
+        self.apps[app_id].more_keys.append(_public_key(public_key_pem))
+
+    def revoke_app_key(self, app_id: int, public_key_pem: str) -> None:
+        """Delete one of an App's keys (GitHub: deleting a private key); another stays."""
+        app = self.apps[app_id]
+        gone = _public_key(public_key_pem).public_numbers()
+        keys = [k for k in app.keys if k.public_numbers() != gone]
+        if not keys:
+            raise ValueError("an App keeps at least one key")
+        app.public_key, app.more_keys = keys[0], keys[1:]
 
     def add_org(self, login: str) -> Org:
         """An org with a default runner group ("Default", id 1 for the first org)."""
