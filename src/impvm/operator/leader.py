@@ -172,6 +172,20 @@ class LeaderElector:
         """The URL the current leader advertised ("" when unknown or ourselves)."""
         return "" if self.leading() else self._leader_url
 
+    async def settle(self, seconds: float) -> None:
+        """Return once this replica leads or knows the leader's URL, or after ``seconds``
+        (a replica serves HTTP before its first read of the Lease; a delivery arriving in
+        between waits for that read instead of being refused)."""
+        deadline = self.monotonic() + seconds
+        while not self.leading() and not self._leader_url:
+            left = deadline - self.monotonic()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=left)
+            except TimeoutError:
+                return
+
     # ------------------------------------------------------------------ loop
 
     async def step(self) -> LeaseMove:
@@ -192,6 +206,7 @@ class LeaderElector:
             self._leader_url = ann.get(LEADER_URL_ANNOTATION, "")
         action = lease_move(view, self.identity, self._seen, now, self.timing)
         if isinstance(action, Standby):
+            self._looked()
             return action
         body = self._body(view, action)
         try:
@@ -205,9 +220,15 @@ class LeaderElector:
             raise
         was_leading = self.leading()
         self._renewed_at = now
+        self._looked()
         if isinstance(action, Acquire) or not was_leading:
             log.info("leading (Lease %s/%s, identity %s)", self.namespace, self.name, self.identity)
         return action
+
+    def _looked(self) -> None:
+        """Wake :meth:`settle` waiters (each waits on the event of its time)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def _body(self, view: LeaseView | None, action: Acquire | Renew) -> Lease:
         now = dt.datetime.now(dt.UTC)

@@ -52,7 +52,12 @@ async def run(
             timing=Timing(lease, lease * 2 / 3, lease / 7.5),  # client-go's 15/10/2
         )
         ctx.leading = elector.leading
-        gate = LeaderGate(webhook, elector.leading, lambda: elector.leader_url if elector else "")
+        gate = LeaderGate(
+            webhook,
+            elector.leading,
+            lambda: elector.leader_url if elector else "",
+            settle=elector.settle,
+        )
         webhook = gate.handle
     app = http.make_app(webhook, handout.handle, ctx.leading)
     runner = await http.start(app, http_host, http_port)
