@@ -56,7 +56,9 @@ def zeros(name: str, size: int) -> Entry:
     return Entry(name, "zeros", size=size)
 
 
-class _Zeros(io.RawIOBase):
+class Zeros(io.RawIOBase):
+    """A stream of ``size`` zero bytes, never held in memory (decompression bombs)."""
+
     def __init__(self, size: int) -> None:
         self.left = size
 
@@ -96,7 +98,7 @@ def write_layer(path: Path, entries: Sequence[Entry]) -> None:
                 tar.addfile(info, io.BytesIO(e.data))
             elif e.kind == "zeros":
                 info.size = e.size
-                tar.addfile(info, io.BufferedReader(_Zeros(e.size), 1 << 20))
+                tar.addfile(info, io.BufferedReader(Zeros(e.size), 1 << 20))
             else:
                 tar.addfile(info)
 

@@ -12,24 +12,11 @@ from pathlib import Path
 import pytest
 
 from impvm.images.build import BuildOptions, ImageBuildError, RunnerSource, build_images
+from tests.agent.hostile import Zeros
 
 from .conftest import lock_copy
 
 VERSION = "2.999.1"
-
-
-class _Zeros(io.RawIOBase):
-    def __init__(self, size: int) -> None:
-        self.left = size
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
-        n = min(len(b), self.left)
-        b[:n] = bytes(n)
-        self.left -= n
-        return n
 
 
 def _release(path: Path, extra: list[tuple[tarfile.TarInfo, io.RawIOBase | None]]) -> str:
@@ -65,7 +52,7 @@ async def test_a_runner_tarball_bomb_is_refused_before_it_is_written(tmp_path: P
     bomb = tarfile.TarInfo("./bin/Runner.Listener")
     bomb.size, bomb.mode = 300 << 20, 0o755
     tarball = tmp_path / "bomb.tar.gz"
-    sha = _release(tarball, [(bomb, _Zeros(bomb.size))])
+    sha = _release(tarball, [(bomb, Zeros(bomb.size))])
     with pytest.raises(ImageBuildError, match="more than the image cache's size cap of 64 MiB"):
         await build_images(_options(tmp_path, tarball, sha))
     _nothing_left(tmp_path)
