@@ -564,10 +564,14 @@ def _near(host: str) -> str:
 
 
 def _policy_not_ready(e: ApiError) -> bool:
-    """Whether ``e`` is an admission policy that is not configured yet (the API server answers
-    403 "failed to configure policy" until its informer for the policy's ``paramKind`` has
-    synced), not a refusal of the object."""
-    return e.status.code == 403 and "failed to configure policy" in (e.status.message or "")
+    """Whether ``e`` is an admission policy that is not configured yet, not a refusal of the
+    object: until the API server's REST mapper knows the policy's ``paramKind`` (a CRD) it
+    denies every request the policy binds with "failed to configure policy", as 422 Invalid
+    (the reason a ValidatingAdmissionPolicy denial defaults to) or 403 Forbidden (the reason a
+    binding may name)."""
+    return e.status.code in (403, 422) and "failed to configure policy" in (
+        e.status.message or ""
+    )
 
 
 def _policy_name(e: ApiError) -> str | None:
