@@ -167,6 +167,11 @@ class Reaper:
         async with lock:
             world = await self._observe(github, obj, now, error)
             acts = reap_acts(world)
+            # counted as judged, before any deletion or status write that may fail the pass
+            for o in acts.outcomes:
+                REAPER_DECISIONS.labels(
+                    obj.namespace, obj.name, o.verdict.action, o.verdict.rule
+                ).inc()
             executor = Executor(
                 self.kube, obj, gh=deregister, recorder=self.recorder, sources=self.sources
             )
@@ -184,8 +189,6 @@ class Reaper:
                 done[o.vm] = (dereg, d.gone)
             end = conclude_reap(world, acts, done)
             await self._report(executor, end.report, end.condition, end.events)
-        for o in acts.outcomes:
-            REAPER_DECISIONS.labels(obj.namespace, obj.name, o.verdict.action, o.verdict.rule).inc()
         return end.report
 
     async def _observe(
