@@ -569,9 +569,7 @@ def _policy_not_ready(e: ApiError) -> bool:
     denies every request the policy binds with "failed to configure policy", as 422 Invalid
     (the reason a ValidatingAdmissionPolicy denial defaults to) or 403 Forbidden (the reason a
     binding may name)."""
-    return e.status.code in (403, 422) and "failed to configure policy" in (
-        e.status.message or ""
-    )
+    return e.status.code in (403, 422) and "failed to configure policy" in (e.status.message or "")
 
 
 def _policy_name(e: ApiError) -> str | None:
