@@ -14,7 +14,7 @@ from lightkube.types import PatchType
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
 from impvm.github import GitHubClient
 from impvm.operator.context import OperatorContext, OperatorSettings
-from impvm.operator.reaper import Reaper, reap_pool, reaper_loop
+from impvm.operator.reaper import STALE_RECHECK_SECONDS, Reaper, reap_pool, reaper_loop
 from impvm.reaper import Rule
 
 from .conftest import (
@@ -400,6 +400,43 @@ async def test_operator_loop_runs_passes_with_one_token(
     assert "cancelled-runner" not in {r.name for r in world.standin.state.runners.values()}
     cond = world.condition()
     assert cond is not None and cond["status"] == "True"
+
+
+async def test_a_loop_started_before_its_cache_shows_the_reaper_enabled_runs_its_pass_soon(
+    world: World, akube: AsyncClient, standin_url: str
+) -> None:
+    """kopf starts the loop on the event that enabled the reaper, and the loop may read the pool
+    before that change (a lagging cache): it reads again within a second, not after the old
+    spec's interval (300 s by default), and then runs its pass at the new interval."""
+    world.create_pool(enabled=False, intervalSeconds=300)
+    four_vms(world)
+    ctx = OperatorContext(akube, OperatorSettings(github_api_url=standin_url))
+    sleeps: list[float] = []
+    passed = asyncio.Event()
+
+    async def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 1:  # the change reaches the cache while the loop waits
+            world.kube.patch(
+                ImpVMRunnerPoolResource,
+                world.pool_name,
+                {"spec": {"reaper": {"enabled": True, "intervalSeconds": 42}}},
+                namespace=world.namespace,
+                patch_type=PatchType.MERGE,
+            )
+            return
+        passed.set()
+        await asyncio.Event().wait()  # park until cancelled
+
+    task = asyncio.create_task(reaper_loop(ctx, (world.namespace, world.pool_name), sleep=sleep))
+    try:
+        await asyncio.wait_for(passed.wait(), 60)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await ctx.close()
+    assert sleeps == [STALE_RECHECK_SECONDS, 42.0]
+    assert world.vm_names() == {world.vms["idle"], world.vms["busy"]}
 
 
 @pytest.fixture

@@ -78,6 +78,7 @@ from impvm.scaling.poolpass import DeleteVM, EventSpec, PoolObj
 __all__ = [
     "CONDITION_TYPE",
     "REAPER_PERMISSIONS",
+    "STALE_RECHECK_SECONDS",
     "Reaper",
     "reap_pool",
     "reaper_enabled",
@@ -98,6 +99,8 @@ LOOKUP_CONCURRENCY: Final = 4
 DEFAULT_INTERVAL_SECONDS: Final = 300
 #: Seconds before a pass that failed with an unexpected error is retried.
 ERROR_RETRY_SECONDS: Final = 30.0
+#: seconds before a pool read as reaper-disabled is read again (a cache behind kopf's event)
+STALE_RECHECK_SECONDS: Final = 1.0
 
 
 class _TokenNotMinted(Exception):
@@ -341,11 +344,13 @@ async def reaper_loop(
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> None:
     """Reaper passes for pool ``key`` until it is deleted: a pass, then ``spec.reaper.
-    intervalSeconds`` of sleep (re-read each time). A pool whose reaper is disabled is only
-    re-checked at that interval. The client comes from the operator's provider (the pool's
-    installation's, shared with the pool controller), so the ``actions: read`` token is minted
-    about once an hour. Unexpected errors are logged and the pass is retried after 30 s.
-    Returns when the pool is gone or being deleted."""
+    intervalSeconds`` of sleep (re-read each time). A pool read with its reaper disabled (the
+    operator's cache not yet at the change kopf started the loop for) is read again after
+    :data:`STALE_RECHECK_SECONDS`, never after the interval the old spec names. The client
+    comes from the operator's provider (the pool's installation's, shared with the pool
+    controller), so the ``actions: read`` token is minted about once an hour. Unexpected
+    errors are logged and the pass is retried after 30 s. Returns when the pool is gone or
+    being deleted."""
     ns, name = PoolKey(*key)
     reaper = Reaper(ctx.kube, sources=ctx.sources)
     while True:
@@ -362,7 +367,9 @@ async def reaper_loop(
         spec = PoolObj.from_body(raw).spec
         interval = float(spec.reaper.interval_seconds if spec.reaper else DEFAULT_INTERVAL_SECONDS)
         if spec.reaper is None or not spec.reaper.enabled:
-            await sleep(interval)
+            # kopf runs this loop only while the pool's reaper is enabled: a reading that says
+            # otherwise is a watch cache behind the event kopf started it for
+            await sleep(STALE_RECHECK_SECONDS)
             continue
         now = ctx.clock.now()
         try:
