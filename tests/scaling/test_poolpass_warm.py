@@ -19,6 +19,7 @@ from impvm.api.patches import wire
 from impvm.scaling.jobtable import Arrival, Job, JobTable, PoolScope
 from impvm.scaling.labels import PoolLabels
 from impvm.scaling.poolpass import PassConclusion, PoolActs, PoolMemory, PoolWorld, WarmPoolMemory
+from impvm.scaling.poolpass.warm import READY_RESOLUTION_SECONDS
 from impvm.scaling.warmpool import WarmPoolState
 from tests.scaling.builders import MONO, NOW, one_pass, pool_obj, reg, vm, world
 
@@ -180,6 +181,21 @@ def test_a_runner_online_for_the_first_time_is_one_time_to_ready_sample() -> Non
     written_pool = next_pass(w, plan).pool
     restarted = at(world((online,), (reg(1, "aaaaaa"),), pool=written_pool), 3)
     assert one_pass(restarted)[0].warm[0].state.ready_samples == 5  # type: ignore[index]
+
+
+def test_a_runner_ready_within_its_vms_second_is_a_sample_of_one_second() -> None:
+    """A VM's creationTimestamp and GitHub's times carry whole seconds, so a runner ready in the
+    second its VM was made reads as 0 s: taken as the resolution instead, a burst still raises
+    the target (a first sample of 0 kept it at 0 under any burst)."""
+    pool = adaptive(half_life=10)
+    same_second = vm("aaaaaa", created=0, runner=(1, False, False))
+    w = at(world((same_second,), (reg(1, "aaaaaa"),), pool=pool), 0)
+    plan = one_pass(w)
+    warm = plan[0].warm
+    assert warm is not None
+    assert warm[0].state.ready_seconds == READY_RESOLUTION_SECONDS
+    burst = at(next_pass(w, plan), 1, arrivals=arrivals(1, 8, NOW + timedelta(seconds=1)))
+    assert target(one_pass(burst)) >= 2
 
 
 def test_a_vm_gone_leaves_the_memory() -> None:

@@ -10,7 +10,8 @@ Events, each stamped after ``state.updated_at`` so it is folded in exactly once:
   time: GitHub lists it online (or busy), or a job record names it as the runner of a job that
   started (a short job's runner may finish between two runner lists; the job's start is then
   its readiness); its recorded runner never was and the memory has not counted it;
-  ``seconds`` from the VM's creation to its readiness, stamped ``now``.
+  ``seconds`` from the VM's creation to its readiness (at least
+  :data:`READY_RESOLUTION_SECONDS`, the timestamps' resolution), stamped ``now``.
 """
 
 from __future__ import annotations
@@ -32,9 +33,14 @@ from impvm.scaling.warmpool import (
     warm_pool_target,
 )
 
-__all__ = ["warm_policy", "warm_pool", "warm_status"]
+__all__ = ["READY_RESOLUTION_SECONDS", "warm_policy", "warm_pool", "warm_status"]
 
 _TICK = dt.timedelta(microseconds=1)
+#: The resolution of a time-to-ready sample (seconds): a VM's ``creationTimestamp`` and GitHub's
+#: ``started_at`` both carry whole seconds (RFC 3339 without fractions), so a runner ready within
+#: the second its VM was made reads as 0 s. A sample is taken as at least this: a first sample of
+#: 0 would make the pool look instant and keep its warm target at 0 under any burst.
+READY_RESOLUTION_SECONDS = 1.0
 
 
 def warm_policy(scaling: ScalingSpec | None) -> WarmPoolPolicy:
@@ -83,7 +89,7 @@ def warm_pool(world: PoolWorld, policy: WarmPoolPolicy) -> tuple[WarmPoolDecisio
         at = ready_at(vm, reg, job, now)
         if at is None:
             continue  # counted before (by an earlier operator run)
-        seconds = max(0.0, (at - vm.created_at).total_seconds())
+        seconds = max(READY_RESOLUTION_SECONDS, (at - vm.created_at).total_seconds())
         events.append(RunnerReady(after(now), seconds))
     decision = warm_pool_target(policy, state, events, now)
     return decision, WarmPoolMemory(cursor=cursor, state=decision.state, ready=frozenset(ready))
