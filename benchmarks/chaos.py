@@ -66,7 +66,6 @@ from aiohttp import web
 from lightkube.types import PatchType
 
 from impvm.api.resources import ImpVMRunnerPoolResource
-from impvm.devstack.controlplane import free_port
 from impvm.devstack.leaks import Recorder, haystack, leaked
 from impvm.devstack.stack import (
     INSTALLATION_ID,
@@ -78,6 +77,7 @@ from impvm.devstack.stack import (
     StackConfig,
     wait_for,
 )
+from impvm.kube.controlplane import free_port
 
 MAX_CONCURRENT = 4
 FAIL_5XX = 0.2

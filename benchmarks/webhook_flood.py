@@ -52,8 +52,6 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.devstack.controlplane import ControlPlane, free_port
-from impvm.devstack.kube import admin_client, install_crds
 from impvm.devstack.stack import (
     APP_ID,
     INSTALLATION_ID,
@@ -64,6 +62,8 @@ from impvm.devstack.stack import (
     seed_github,
 )
 from impvm.devstack.standin import StandIn
+from impvm.kube.admin import admin_client, install_crds
+from impvm.kube.controlplane import ControlPlane, free_port
 
 NS = "flood"
 BIG = 24 * 1024**2

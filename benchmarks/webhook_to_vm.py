@@ -6,7 +6,7 @@ Baseline in the same run: the time this process takes to create an ImpVM and a S
 through the API server (the floor any controller pays). Prints median and p99 of both and their
 ratio.
 
-    KUBEBUILDER_ASSETS=$(bash src/impvm/devstack/assets/build-control-plane.sh) \\
+    KUBEBUILDER_ASSETS=$(bash src/impvm/kube/assets/build-control-plane.sh) \\
         .venv/bin/python benchmarks/webhook_to_vm.py --samples 40
 """
 

@@ -53,9 +53,9 @@ fi
 # the control plane's Go build needs only Go and python3, not the venv: it runs meanwhile
 cp_log="$(mktemp)"
 cp_pid=""
-if [[ -z "${KUBEBUILDER_ASSETS:-}" ]] && ! IMPVM_CHECK_ONLY=1 bash src/impvm/devstack/assets/build-control-plane.sh >/dev/null 2>&1; then
+if [[ -z "${KUBEBUILDER_ASSETS:-}" ]] && ! IMPVM_CHECK_ONLY=1 bash src/impvm/kube/assets/build-control-plane.sh >/dev/null 2>&1; then
   log "control plane: etcd, kube-apiserver, kube-controller-manager, kubectl from Go modules (first time only; about 7 min on 2 cores, in the background)"
-  ( t0=$SECONDS; bash src/impvm/devstack/assets/build-control-plane.sh >"$cp_log.out" 2>"$cp_log"; rc=$?; echo "$((SECONDS - t0))" >"$cp_log.secs"; exit $rc ) &
+  ( t0=$SECONDS; bash src/impvm/kube/assets/build-control-plane.sh >"$cp_log.out" 2>"$cp_log"; rc=$?; echo "$((SECONDS - t0))" >"$cp_log.secs"; exit $rc ) &
   cp_pid=$!
 fi
 
@@ -95,8 +95,8 @@ fi
 
 if [[ "$PROFILE" == tests ]]; then
   # cosign: the agent verifies signed images with it, the signed-image tests sign with it
-  if ! IMPVM_COSIGN_CHECK_ONLY=1 bash src/impvm/devstack/assets/build-cosign.sh >/dev/null 2>&1; then
-    step "cosign from Go modules" "20 min" bash -c 'bash src/impvm/devstack/assets/build-cosign.sh >/dev/null'
+  if ! IMPVM_COSIGN_CHECK_ONLY=1 bash src/impvm/signing/assets/build-cosign.sh >/dev/null 2>&1; then
+    step "cosign from Go modules" "20 min" bash -c 'bash src/impvm/signing/assets/build-cosign.sh >/dev/null'
   fi
   step "helm and the ServiceMonitor CRD for the chart tests" "4 min" \
     bash -c 'bash scripts/build-helm.sh >/dev/null && bash scripts/build-servicemonitor-crd.sh >/dev/null'
@@ -110,7 +110,7 @@ fi
 wait_control_plane
 rm -f "$cp_log" "$cp_log.out" "$cp_log.secs"
 if [[ -z "${KUBEBUILDER_ASSETS:-}" ]]; then
-  KUBEBUILDER_ASSETS="$(bash src/impvm/devstack/assets/build-control-plane.sh)"
+  KUBEBUILDER_ASSETS="$(bash src/impvm/kube/assets/build-control-plane.sh)"
 fi
 (( SECONDS - started > 10 )) && log "setup ($PROFILE) took $((SECONDS - started))s"
 echo "$KUBEBUILDER_ASSETS"

@@ -14,8 +14,8 @@ from lightkube.config.kubeconfig import KubeConfig
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace
 
-from impvm.devstack.controlplane import ControlPlane
-from impvm.devstack.kube import admin_client, install_crds
+from impvm.kube.admin import admin_client, install_crds
+from impvm.kube.controlplane import ControlPlane
 
 REPO = Path(__file__).resolve().parent.parent
 

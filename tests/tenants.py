@@ -39,8 +39,6 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.devstack.controlplane import free_port
-from impvm.devstack.kube import service_account_kubeconfig
 from impvm.devstack.stack import (
     INSTALLATION_PERMISSIONS,
     RUNNER_GROUP,
@@ -52,6 +50,8 @@ from impvm.devstack.stack import (
 from impvm.devstack.standin import StandIn
 from impvm.devstack.standin.state import JobRec
 from impvm.github.webhooks import compute_signature
+from impvm.kube.admin import service_account_kubeconfig
+from impvm.kube.controlplane import free_port
 from impvm.operator.context import OperatorContext
 from impvm.operator.pool import PoolReconciler
 from impvm.scaling.jobtable import JobTable

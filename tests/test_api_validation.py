@@ -24,8 +24,8 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.devstack.controlplane import ControlPlane
 from impvm.devstack.stack import example_scaling, pool_manifest
+from impvm.kube.controlplane import ControlPlane
 from impvm.scaling.warmpool import WarmPoolPolicy, WarmPoolState
 from tests.conftest import REPO
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from impvm.api.models import ImpVMRunnerPoolSpec
-from impvm.docgen import render
+from impvm.commands.docgen import render
 from impvm.up.config import AgentConfig
 from tests.conftest import REPO
 
@@ -15,7 +15,7 @@ def test_configuration_reference_matches_the_models() -> None:
     committed = (REPO / "docs" / "configuration.md").read_text()
     assert committed == render(), (
         "docs/configuration.md is out of sync with the models; "
-        "run: python -m impvm.docgen > docs/configuration.md"
+        "run: python -m impvm.commands.docgen > docs/configuration.md"
     )
 
 
@@ -34,6 +34,6 @@ def test_every_field_is_documented() -> None:
 
 def test_the_module_prints_it() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "impvm.docgen"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "impvm.commands.docgen"], capture_output=True, text=True, check=True
     ).stdout
     assert out == render()

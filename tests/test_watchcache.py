@@ -1,4 +1,4 @@
-"""The list+watch cache (impvm.watchcache): its store on its own (events in, objects out), then the
+"""The list+watch cache (impvm.kube.watchcache): its store on its own (events in, objects out), then the
 cache against the real API server - field selectors on ImpVM.spec.nodeName, every change
 delivered, a watch that expired (410 Gone) listed again, the bound on what it holds."""
 
@@ -16,7 +16,7 @@ from lightkube.types import PatchType
 
 from impvm.api.models import API_VERSION
 from impvm.api.resources import ImpVMResource
-from impvm.watchcache import Key, Store, WatchCache, key_of
+from impvm.kube.watchcache import Key, Store, WatchCache, key_of
 
 
 def obj(name: str, version: int, value: str = "v", ns: str = "ns") -> dict[str, Any]:
@@ -101,7 +101,7 @@ def test_a_write_answered_after_its_objects_deletion_does_not_bring_it_back() ->
 
 def test_a_rejected_object_is_left_out(caplog: pytest.LogCaptureFixture) -> None:
     s: Store[str] = Store(Parser(), max_objects=10, name="t")
-    with caplog.at_level(logging.WARNING, "impvm.watchcache"):
+    with caplog.at_level(logging.WARNING, "impvm.kube.watchcache"):
         s.replace([obj("a", 1), obj("b", 1, "bad")])
     assert s.keys() == [("ns", "a")]
     assert "ns/b" in caplog.text and "ValueError" in caplog.text

@@ -82,7 +82,7 @@ def _require_kubeconfig(command: str) -> None:
     otherwise die with a traceback."""
     from lightkube import ConfigError
 
-    from impvm.statuscmd import client
+    from impvm.commands.status import client
 
     try:
         client()  # reads the files the kubeconfig names, as the component will
@@ -399,7 +399,7 @@ def status(
     from lightkube import ConfigError
     from rich.console import Console
 
-    from impvm.statuscmd import client, run
+    from impvm.commands.status import client, run
 
     if output not in ("table", "json"):
         typer.echo(f"impvm status: --output {output!r}: want table or json", err=True)
@@ -468,8 +468,8 @@ def logs(
 
     from lightkube import ConfigError
 
-    from impvm.logscmd import LogsError, locate, read
-    from impvm.statuscmd import client
+    from impvm.commands.logs import LogsError, locate, read
+    from impvm.commands.status import client
 
     try:
         kube = client(kubeconfig, context)

@@ -32,7 +32,7 @@ from impvm.agent.lifecycle import Preflight
 from impvm.agent.process import ProcessRuntime
 from impvm.api.models import API_VERSION, JIT_SECRET_KEY
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
-from impvm.devstack.controlplane import ControlPlane
+from impvm.kube.controlplane import ControlPlane
 from tests.runtime_fixtures import Images
 
 pytestmark = [pytest.mark.controlplane]

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from lightkube import AsyncClient, Client
 
+from impvm.agent.guesttext import printable
 from impvm.api.resources import ImpVMClassResource
-from impvm.devstack.controlplane import ControlPlane
 from impvm.devstack.registry import LocalRegistry
 from impvm.devstack.testimages import build_runner_layer_image
-from impvm.guesttext import printable
+from impvm.kube.controlplane import ControlPlane
 from tests.agent.test_agent import Env, until
 from tests.runtime_fixtures import Images
 

@@ -10,7 +10,7 @@ import pytest
 
 from impvm.agent.images import ImageStore, parse_reference
 from impvm.agent.runtime import ImageError
-from impvm.devstack.testimages import runner_wrapper_script
+from impvm.images.runner_inputs import runner_wrapper_script
 from tests.runtime_fixtures import PROBE_RUN_SH, Images
 
 

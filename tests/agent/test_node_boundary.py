@@ -46,9 +46,9 @@ from impvm.agent.jitsource import SecretJitSource
 from impvm.agent.process import ProcessRuntime
 from impvm.api.models import AGENT_FINALIZER, AGENT_LEASE_NAMESPACE, API_VERSION, JIT_SECRET_KEY
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
-from impvm.devstack.controlplane import ControlPlane
-from impvm.devstack.kube import admin_client, install_crds, node_bound_token, pod_bound_token
-from impvm.events import EventRecorder
+from impvm.kube.admin import admin_client, install_crds, node_bound_token, pod_bound_token
+from impvm.kube.controlplane import ControlPlane
+from impvm.kube.events import EventRecorder
 from impvm.up.service import policy_manifest, rbac_manifest
 from tests.runtime_fixtures import Images
 

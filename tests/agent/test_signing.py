@@ -26,19 +26,14 @@ from impvm.agent.signing import (
     WRONG_KEY,
     SignatureError,
     classify_refusal,
-    key_fingerprint,
     verification,
 )
 from impvm.agent.tools import run_tool
 from impvm.devstack.registry import LocalRegistry
-from impvm.devstack.signing import (
-    SigningError,
-    SigningKey,
-    cosign_binary,
-    generate_key_pair,
-    sign_image,
-)
+from impvm.devstack.signing import SigningKey, generate_key_pair, sign_image
 from impvm.devstack.testimages import build_runner_layer_image
+from impvm.signing.cosign import SigningError, cosign_binary
+from impvm.signing.keys import key_fingerprint
 from tests.runtime_fixtures import Images
 
 _OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"

@@ -16,7 +16,7 @@ from lightkube.core.exceptions import ApiError
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace
 
-from impvm.devstack.controlplane import ControlPlane
+from impvm.kube.controlplane import ControlPlane
 from tests.conftest import REPO
 
 CHART = REPO / "charts" / "impvm"

@@ -28,8 +28,8 @@ from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Namespace, Node, Pod
 from lightkube.resources.scheduling_v1 import PriorityClass
 
-from impvm.devstack.controlplane import ControlPlane
-from impvm.devstack.kube import pod_bound_token
+from impvm.kube.admin import pod_bound_token
+from impvm.kube.controlplane import ControlPlane
 from tests.conftest import REPO
 
 from .conftest import CHART, FULL_VALUES, NAMESPACE, NODE_POOLS, Helm, Kubectl, one

@@ -35,11 +35,11 @@ from lightkube.resources.core_v1 import Node, Secret
 
 from impvm.agent.process import host_python_binds
 from impvm.api.resources import ImpVMRunnerPoolResource
-from impvm.devstack.controlplane import ControlPlane, free_port
 from impvm.devstack.registry import LocalRegistry
 from impvm.devstack.stack import make_private_key, seed_github
 from impvm.devstack.standin import StandIn
 from impvm.devstack.testimages import build_test_images
+from impvm.kube.controlplane import ControlPlane, free_port
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.controlplane]

@@ -19,8 +19,9 @@ from lightkube.resources.core_v1 import Event, Secret
 
 from impvm.api.models import POOL_LABEL
 from impvm.api.resources import ImpVMClassResource, ImpVMResource, ImpVMTemplateResource
-from impvm.devstack.signing import SigningError, cosign_binary, generate_key_pair, sign_image
+from impvm.devstack.signing import generate_key_pair, sign_image
 from impvm.devstack.stack import NAMESPACE, Stack, StackConfig, wait_for
+from impvm.signing.cosign import SigningError, cosign_binary
 
 pytestmark = [pytest.mark.controlplane]
 

@@ -52,8 +52,8 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.devstack.controlplane import ControlPlane
 from impvm.devstack.standin import StandIn
+from impvm.kube.controlplane import ControlPlane
 from tests.tenants import (
     BASE_IMAGE,
     CREDENTIALS,

@@ -110,7 +110,7 @@ class PodmanOperatorStack(Stack):
     def start_operator(self) -> None:
         assert self.standin is not None and self.control_plane is not None
         if not self.operator_http_port:
-            from impvm.devstack.controlplane import free_port
+            from impvm.kube.controlplane import free_port
 
             self.operator_http_port = free_port()
         # the operator's credentials and the cluster CA inlined in a kubeconfig;

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from impvm.devstack.testimages import runner_wrapper_script
 from impvm.images.build import BuildOptions, RunnerChecksumError, RunnerSource, build_images
+from impvm.images.runner_inputs import runner_wrapper_script
 
 from .conftest import lock_copy
 

@@ -21,7 +21,7 @@ from impvm.agent.network.policy import DEFAULT_LAYER, Allow, EgressLayer, PortRa
 from impvm.agent.network.ruleset import render
 from impvm.agent.qemu import QemuRuntime
 from impvm.agent.runtime import Secret, VMRequest
-from impvm.devstack.controlplane import ControlPlane
+from impvm.kube.controlplane import ControlPlane
 
 from .conftest import World, kernel_log, policy_off
 from .probe import probe_request

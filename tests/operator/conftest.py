@@ -26,7 +26,6 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.devstack.controlplane import ControlPlane
 from impvm.devstack.stack import (
     APP_ID,
     CREDENTIALS_SECRET,
@@ -43,6 +42,7 @@ from impvm.devstack.stack import (
 from impvm.devstack.standin import StandIn
 from impvm.devstack.standin_runner import decode_jitconfig
 from impvm.github import RetryPolicy
+from impvm.kube.controlplane import ControlPlane
 from impvm.operator.context import OperatorContext, OperatorSettings
 from impvm.operator.pool import PoolReconciler
 from tests.support import standin_fixture

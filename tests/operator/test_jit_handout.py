@@ -28,8 +28,8 @@ from lightkube.types import PatchType
 from impvm.agent.jitsource import JitSourceError, OperatorJitSource
 from impvm.api.models import AGENT_LEASE_NAMESPACE, API_VERSION, JIT_SECRET_KEY
 from impvm.api.resources import ImpVMResource
-from impvm.devstack.controlplane import ControlPlane, free_port
-from impvm.devstack.kube import node_bound_token, service_account_kubeconfig
+from impvm.kube.admin import node_bound_token, service_account_kubeconfig
+from impvm.kube.controlplane import ControlPlane, free_port
 from impvm.operator import http
 from impvm.operator.jithandout import (
     AUDIENCE,

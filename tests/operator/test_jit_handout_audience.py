@@ -10,7 +10,7 @@ from lightkube import AsyncClient
 from lightkube.config.kubeconfig import KubeConfig
 
 from impvm.api.models import AGENT_LEASE_NAMESPACE
-from impvm.devstack.controlplane import free_port
+from impvm.kube.controlplane import free_port
 from impvm.operator import http
 from impvm.operator.jithandout import NODE_NAME_EXTRA, JitHandout
 

@@ -19,8 +19,8 @@ from lightkube.config.kubeconfig import KubeConfig
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace, Secret
 
-from impvm.devstack.controlplane import ControlPlane
 from impvm.devstack.standin import StandIn
+from impvm.kube.controlplane import ControlPlane
 from tests.tenants import (
     leading,
     operator_kubeconfig,

@@ -24,9 +24,9 @@ from lightkube.types import PatchType
 
 from impvm.api.models import POOL_LABEL
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.devstack.controlplane import free_port
 from impvm.devstack.stack import REPO, example_scaling, pool_manifest
 from impvm.devstack.standin_runner import decode_jitconfig
+from impvm.kube.controlplane import free_port
 from impvm.operator.pool import PoolReconciler
 from impvm.operator.webhooks import WebhookReceiver
 from tests.operator.conftest import JIT_PATH, RUNNER_PATH, TEMPLATE, PoolEnv

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from impvm.api.resources import ImpVMRunnerPoolResource
-from impvm.devstack.controlplane import free_port
+from impvm.kube.controlplane import free_port
 from impvm.operator import http as operator_http
 from impvm.operator.pool import PoolReconciler
 from tests.operator.conftest import POOL, PoolEnv

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from lightkube.resources.coordination_v1 import Lease
 
-from impvm.devstack.controlplane import free_port
+from impvm.kube.controlplane import free_port
 from impvm.operator import http
 from impvm.operator.leader import LeaderElector, Timing
 from impvm.operator.standby import FORWARDED_HEADER, LeaderGate

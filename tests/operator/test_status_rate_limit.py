@@ -9,10 +9,10 @@ import pytest
 from lightkube.types import PatchType
 
 from impvm.api.resources import ImpVMRunnerPoolResource
+from impvm.commands.status import read_snapshot
+from impvm.commands.statusview import summarize
 from impvm.devstack.stack import APP_ID, INSTALLATION_ID, REPO, app_secret
 from impvm.operator.pool import PoolReconciler
-from impvm.statuscmd import read_snapshot
-from impvm.statusview import summarize
 from tests.operator.conftest import POOL, PoolEnv
 
 pytestmark = [pytest.mark.controlplane]

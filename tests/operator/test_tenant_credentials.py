@@ -19,10 +19,10 @@ from lightkube.config.kubeconfig import KubeConfig
 from lightkube.resources.core_v1 import Secret
 from lightkube.types import PatchType
 
-from impvm.devstack.controlplane import ControlPlane
 from impvm.devstack.stack import make_private_key
 from impvm.devstack.standin import StandIn
 from impvm.github import RetryPolicy
+from impvm.kube.controlplane import ControlPlane
 from impvm.operator.context import OperatorContext, OperatorSettings
 from tests.operator.conftest import FakeClock
 from tests.tenants import CREDENTIALS, POOL, Tenant, seed_app, tenant

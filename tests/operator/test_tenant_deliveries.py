@@ -29,9 +29,9 @@ from prometheus_client import REGISTRY
 
 from impvm.api.models import ImpVMRunnerPool
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.devstack.controlplane import ControlPlane, free_port
 from impvm.devstack.standin import StandIn
 from impvm.github import RetryPolicy
+from impvm.kube.controlplane import ControlPlane, free_port
 from impvm.operator import http as operator_http
 from impvm.operator.context import OperatorContext, OperatorSettings
 from impvm.operator.credentials import GitHubProvider

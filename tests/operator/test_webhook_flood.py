@@ -33,10 +33,10 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.devstack.controlplane import ControlPlane
 from impvm.devstack.stack import app_secret, pool_manifest
 from impvm.devstack.standin import StandIn
 from impvm.github.webhooks import compute_signature
+from impvm.kube.controlplane import ControlPlane
 from tests.tenants import (
     BASE_IMAGE,
     CREDENTIALS,

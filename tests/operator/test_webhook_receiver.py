@@ -14,9 +14,9 @@ from lightkube import AsyncClient
 from lightkube.config.kubeconfig import KubeConfig
 from prometheus_client import REGISTRY
 
-from impvm.devstack.controlplane import ControlPlane, free_port
 from impvm.devstack.standin.state import StandInState
 from impvm.github.webhooks import compute_signature
+from impvm.kube.controlplane import ControlPlane, free_port
 from impvm.operator import http as operator_http
 from impvm.operator.context import OperatorContext
 from impvm.operator.webhooks import WebhookReceiver

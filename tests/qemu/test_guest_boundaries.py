@@ -14,7 +14,7 @@ from impvm.agent.guest_io import STATUS_MAX_BYTES, STATUS_READ_BYTES
 from impvm.agent.qemu import QemuRuntime, read_record
 from impvm.agent.runtime import Secret, VMRequest
 from impvm.devstack.registry import LocalRegistry
-from impvm.devstack.testimages import runner_wrapper_script
+from impvm.images.runner_inputs import runner_wrapper_script
 from tests.agent import hostile
 from tests.agent.hostile import directory, file
 from tests.runtime_fixtures import Images, tail_values, vm_request, wait_for

@@ -27,8 +27,8 @@ from lightkube.types import PatchType
 
 from impvm.api.models import ImpVMRunnerPool
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.devstack.controlplane import ControlPlane
-from impvm.devstack.kube import client_from_dict, service_account_kubeconfig
+from impvm.kube.admin import client_from_dict, service_account_kubeconfig
+from impvm.kube.controlplane import ControlPlane
 from impvm.operator.credentials import GitHubProvider
 from impvm.operator.reaper import reap_pool
 

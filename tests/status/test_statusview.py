@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from impvm.statusview import Snapshot, cell, render, summarize
+from impvm.commands.statusview import Snapshot, cell, render, summarize
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, 0, tzinfo=dt.UTC)
 

@@ -12,7 +12,7 @@ from lightkube import Client
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import ConfigMap, Secret
 
-from impvm.devstack.controlplane import ControlPlane
+from impvm.kube.controlplane import ControlPlane
 
 
 def _etcd_holds(control_plane: ControlPlane, needle: bytes) -> bool:
@@ -69,7 +69,7 @@ def _stored(cp: ControlPlane, key: str) -> bytes:
 def test_secrets_stored_before_encryption_are_encrypted_at_the_next_start(
     tmp_path: Path,
 ) -> None:
-    from impvm.devstack.kube import admin_client
+    from impvm.kube.admin import admin_client
 
     hidden = f"impvm-secret-{secrets.token_hex(12)}"
     old = ControlPlane(workdir=tmp_path / "cp", persistent=True, encrypt_secrets=False).start()

@@ -30,7 +30,6 @@ from lightkube.config.kubeconfig import KubeConfig
 from lightkube.resources.core_v1 import Event, Secret
 
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.devstack.controlplane import free_port
 from impvm.devstack.registry import LocalRegistry
 from impvm.devstack.stack import (
     NAMESPACE,
@@ -43,6 +42,7 @@ from impvm.devstack.stack import (
 )
 from impvm.devstack.standin import StandIn
 from impvm.devstack.testimages import build_test_images
+from impvm.kube.controlplane import free_port
 
 pytestmark = [pytest.mark.controlplane]
 

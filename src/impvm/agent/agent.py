@@ -4,7 +4,7 @@
 This module is the imperative shell around :func:`impvm.agent.lifecycle.decide`: it observes,
 asks ``decide`` what to do for one VM, carries the steps out and asks again.
 
-Observing costs no request per VM: three watch caches (:mod:`impvm.watchcache`) hold the VMs
+Observing costs no request per VM: three watch caches (:mod:`impvm.kube.watchcache`) hold the VMs
 bound to this node (field selector ``spec.nodeName=<node>``), the unbound VMs it may claim
 (``spec.nodeName=``) and the ImpVMClasses. Each change of a VM wakes that VM's worker; a class
 change wakes the VMs of that class; a released VM wakes the unbound ones (capacity was freed).
@@ -72,9 +72,9 @@ from impvm.api.models import (
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
 from impvm.api.times import utcnow
 from impvm.api.vm import VM
-from impvm.events import EventRecorder
-from impvm.vm_metrics import record_phase
-from impvm.watchcache import Key, WatchCache
+from impvm.kube.events import EventRecorder
+from impvm.kube.watchcache import Key, WatchCache
+from impvm.telemetry.vm_metrics import record_phase
 
 log = logging.getLogger("impvm.agent")
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from lightkube import AsyncClient
 
-from impvm import metrics_http
 from impvm.agent import doctor
 from impvm.agent.agent import Agent, AgentConfig
 from impvm.agent.capacity import Resources
@@ -33,6 +32,7 @@ from impvm.agent.network.ruleset import NetConfig, NetConfigError
 from impvm.agent.process import ProcessRuntime
 from impvm.agent.qemu import QemuRuntime, create_qemu_runtime
 from impvm.agent.runtime import Runtime, VMRuntimeError
+from impvm.telemetry import metrics_http
 
 log = logging.getLogger("impvm.agent")
 

@@ -32,12 +32,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
+from impvm.agent.guesttext import printable
 from impvm.agent.images import ImageStore, PreparedImage, _remove_tree
 from impvm.agent.network.node import GuestNetwork, NodeNetwork
 from impvm.agent.network.ruleset import Kind
 from impvm.agent.runtime import RuntimeState, Secret, VMRequest, VMRuntimeError
 from impvm.agent.survivor import SecretPrint
-from impvm.guesttext import printable
 
 log = logging.getLogger("impvm.agent.runtime")
 
@@ -293,7 +293,7 @@ class RuntimeBase(Generic[VM]):
 
     def _tail(self, vm: VM) -> str:
         """The last ``tail_lines`` console lines (blocking) without terminal control sequences
-        (:func:`impvm.guesttext.printable`), the JIT config replaced by ``***`` (defence in
+        (:func:`impvm.agent.guesttext.printable`), the JIT config replaced by ``***`` (defence in
         depth: the wrapper never prints it, but a guest program might); the console is first
         kept within :data:`LIVE_MAX_BYTES` (:func:`compact_console`)."""
         try:

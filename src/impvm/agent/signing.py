@@ -19,7 +19,7 @@ without internet access verify the same way, and nothing but the registry is con
 Why cosign and not skopeo's containers-policy ``sigstoreSigned``: Debian 12's skopeo 1.9.3 (and
 every Debian build of containers/image) is compiled with sigstore disabled; it refuses every
 signed image with "Debian-local change: sigstore disabled". cosign is sigstore's own verifier,
-built from its Go module and pinned (``impvm.devstack.assets/build-cosign.sh``).
+built from its Go module and pinned (:mod:`impvm.signing.cosign`).
 
 This module chooses the files and turns cosign's exit status (cosign's documented exit codes:
 10 no signature, 12 no matching signature) into a reason a person can act on:
@@ -42,15 +42,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
-
 from impvm.agent.runtime import ImageError, Verification, VMRequest
+from impvm.signing.keys import key_fingerprint
 
 #: Condition type on ImpVM.status a signature check reports in (Kubernetes API conventions).
 CONDITION_TYPE = "ImageVerified"
@@ -113,19 +111,6 @@ class SignatureError(ImageError):
         self.role = role
         self.image = image
         self.key_fingerprint = key_fingerprint
-
-
-def key_fingerprint(pem: str) -> tuple[str, bytes]:
-    """``(sha256:<hex> of the DER SubjectPublicKeyInfo, normalised PEM bytes)`` of a PEM public
-    key. Raises ValueError when ``pem`` is not a public key (cryptography's parser)."""
-    key = serialization.load_pem_public_key(pem.encode())
-    der = key.public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    normalised = key.public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    return "sha256:" + hashlib.sha256(der).hexdigest(), normalised
 
 
 def _write_once(path: Path, data: bytes) -> None:

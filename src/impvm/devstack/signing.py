@@ -3,7 +3,7 @@
 signature next to the image in the registry, as the ``REPO:sha256-<digest>.sig`` attachment the
 agent's ``cosign verify`` reads (:mod:`impvm.agent.signing`).
 
-cosign is built once from its Go module (``assets/build-cosign.sh``, cached under
+cosign is built once from its Go module (:mod:`impvm.signing.cosign`, cached under
 ``~/.cache/impvm/cosign/<version>``; scripts/setup.sh builds it).
 
 Example::
@@ -18,30 +18,10 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import subprocess
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
-
-class SigningError(Exception):
-    """cosign or skopeo failed (the message names the step and carries the tool's stderr)."""
-
-
-def cosign_binary(build: bool = True) -> Path:
-    """Path of the pinned cosign CLI, building it first when the cache lacks it (minutes) unless
-    ``build`` is False. Raises :class:`SigningError` when it is missing (``build=False``) or the
-    build fails."""
-    script = resources.files("impvm.devstack").joinpath("assets/build-cosign.sh")
-    env = dict(os.environ)
-    if not build:
-        env["IMPVM_COSIGN_CHECK_ONLY"] = "1"
-    proc = subprocess.run(
-        ["bash", str(script)], stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env
-    )
-    if proc.returncode != 0:
-        raise SigningError(f"cosign: {proc.stderr.strip()[-2000:]}")
-    return Path(proc.stdout.strip().splitlines()[-1])
+from impvm.signing.cosign import SigningError, cosign_binary
 
 
 def _write_private(path: Path, text: str) -> None:

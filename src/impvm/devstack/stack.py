@@ -40,11 +40,11 @@ from lightkube.resources.core_v1 import Secret
 
 from impvm.agent.process import host_python_binds
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.devstack.controlplane import ControlPlane, free_port, write_private
 from impvm.devstack.netns import DevNetwork
 from impvm.devstack.registry import LocalRegistry
 from impvm.devstack.standin import StandIn
 from impvm.devstack.testimages import TestImages, build_test_images
+from impvm.kube.controlplane import ControlPlane, free_port, write_private
 from impvm.up.config import APP_SECRET, WEBHOOK_SECRET, load_config
 from impvm.up.service import Service
 
@@ -322,7 +322,7 @@ class StackConfig:
     #: start one agent (node-1); without it VMs are created but never run (benchmarks)
     start_agent: bool = True
     #: cosign binary the agent verifies signed images with (None: ``cosign`` on PATH), e.g.
-    #: :func:`impvm.devstack.signing.cosign_binary`
+    #: :func:`impvm.signing.cosign.cosign_binary`
     cosign: Path | None = None
     #: guests on isolated networks, the stand-in in its own "internet" namespace
     #: (:class:`impvm.devstack.netns.DevNetwork`; needs root); None: when running as root

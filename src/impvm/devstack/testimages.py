@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shlex
 import shutil
-import sys
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from impvm.agent.tools import run_tool
+from impvm.images.runner_inputs import runner_wrapper_script, standin_run_sh
 
 RUNNER_UID = 10001
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -49,22 +47,6 @@ class TestImages:
 
     base: str
     runner_layer: str
-
-
-def runner_wrapper_script() -> bytes:
-    """The reference ``/usr/local/bin/runner`` wrapper (``impvm/agent/assets/runner``)."""
-    return resources.files("impvm.agent").joinpath("assets/runner").read_bytes()
-
-
-def default_run_sh(python: str | None = None) -> str:
-    """A ``run.sh`` that execs the stand-in runner: ``PYTHON -m impvm.devstack.standin_runner``.
-
-    ``python`` defaults to ``sys.executable`` of the building process; the process runtime must
-    expose that interpreter inside the sandbox (``ProcessRuntime(extra_ro_binds=...)``, see
-    :func:`impvm.agent.process.host_python_binds`).
-    """
-    py = shlex.quote(python or sys.executable)
-    return f'#!/bin/sh\nexec {py} -m impvm.devstack.standin_runner "$@"\n'
 
 
 async def _run(*args: str) -> bytes:
@@ -185,9 +167,9 @@ async def build_runner_layer_image(
     tag: str = "test",
 ) -> str:
     """Build the runner layer image (wrapper + ``run.sh``; ``run_sh`` defaults to
-    :func:`default_run_sh`) under ``work`` and push it. Returns the reference pinned by digest.
+    :func:`standin_run_sh`) under ``work`` and push it. Returns the reference pinned by digest.
     Raises :class:`ImageBuildError`."""
-    script = default_run_sh() if run_sh is None else run_sh
+    script = standin_run_sh() if run_sh is None else run_sh
     return await _build_and_push(work, registry, repo, tag, ("layer",), run_sh=script)
 
 

@@ -27,9 +27,9 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from impvm.commands.status import read_snapshot
+from impvm.commands.statusview import cell, render, summarize
 from impvm.devstack.stack import NAMESPACE, POOL, Stack, StackConfig
-from impvm.statuscmd import read_snapshot
-from impvm.statusview import cell, render, summarize
 from impvm.up.main import serve
 from impvm.up.service import Service
 

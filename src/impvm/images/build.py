@@ -48,6 +48,7 @@ from pathlib import Path
 from impvm.agent.layers import Budget, scan_layer
 from impvm.agent.runtime import ImageError
 from impvm.agent.tools import run_tool
+from impvm.images.runner_inputs import runner_wrapper_script, standin_run_sh
 from impvm.images.spec import (
     COSIGN_PATH,
     IMAGES,
@@ -77,6 +78,7 @@ from impvm.images.spec import (
     wheel_from_file,
     wheels_follow_constraints,
 )
+from impvm.signing.cosign import SigningError, cosign_binary
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_LOCK = PROJECT_ROOT / "images" / "lock.json"
@@ -788,8 +790,6 @@ class Builder:
     async def _cosign_layer(self, work: Path, out: Path) -> int:
         """``COSIGN_PATH`` (root, 0755) from ``opts.cosign`` or the pinned build; returns the
         layer's unpacked size."""
-        from impvm.devstack.signing import SigningError, cosign_binary
-
         binary = self.opts.cosign
         if binary is None:
             try:
@@ -816,11 +816,9 @@ class Builder:
         home = stage / RUNNER_HOME.lstrip("/")
         home.mkdir(parents=True)
         if src.standin_python:
-            from impvm.devstack.testimages import default_run_sh
-
             self.log("runner-layer: the stand-in runner (tests and development only)")
             run_sh = home / "run.sh"
-            run_sh.write_text(default_run_sh(src.standin_python))
+            run_sh.write_text(standin_run_sh(src.standin_python))
             run_sh.chmod(0o755)
         else:
             release, tarball = await self._runner_tarball(lock)
@@ -828,8 +826,6 @@ class Builder:
             await asyncio.to_thread(_extract_runner, tarball, home, self.opts.runner_max_bytes)
         wrapper = stage / RUNNER_WRAPPER.lstrip("/")
         wrapper.parent.mkdir(parents=True, exist_ok=True)
-        from impvm.devstack.testimages import runner_wrapper_script
-
         wrapper.write_bytes(runner_wrapper_script())
         wrapper.chmod(0o755)
 

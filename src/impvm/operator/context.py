@@ -14,8 +14,8 @@ from lightkube.resources.core_v1 import Secret
 
 from impvm.api.models import AGENT_LEASE_NAMESPACE, PoolKey
 from impvm.api.times import Clock, as_clock
-from impvm.events import EventRecorder
 from impvm.github import GitHubClient, RetryPolicy
+from impvm.kube.events import EventRecorder
 from impvm.operator.credentials import GitHubProvider
 from impvm.operator.poller import Pollers
 from impvm.operator.runners import RunnerDirectory

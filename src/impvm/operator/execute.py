@@ -23,7 +23,6 @@ from impvm.api.conditions import merge_conditions
 from impvm.api.models import API_VERSION, ImpVMRunnerPoolStatus, ImpVMStatus, PoolKey
 from impvm.api.patches import wire
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.events import EventRecorder
 from impvm.github import GitHubClient
 from impvm.github.errors import (
     BadCredentials,
@@ -37,6 +36,7 @@ from impvm.github.errors import (
     RequestRejected,
     TransientError,
 )
+from impvm.kube.events import EventRecorder
 from impvm.operator.credentials import scope_of
 from impvm.operator.runners import RunnerDirectory
 from impvm.operator.sources import KubeSource

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import Counter
 
-from impvm import metrics_http
+from impvm.telemetry import metrics_http
 
 WebhookHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Handler = WebhookHandler
@@ -145,7 +145,7 @@ def make_app(
     ``GET /healthz`` is 200 on every replica that runs, leader or standby (``leading``; the
     body says which): a standby is healthy and ready, because it forwards deliveries to the
     leader and serves the hand-out, and a rolling update needs the new replica Ready while the
-    old one still leads. ``GET /metrics``: :mod:`impvm.metrics_http`."""
+    old one still leads. ``GET /metrics``: :mod:`impvm.telemetry.metrics_http`."""
     gate = gate or BodyGate()
     app = metrics_http.make_app(
         client_max_size=gate.limit, health=_healthz(leading or (lambda: True))

@@ -29,7 +29,7 @@ from impvm.operator.execute import MERGE, Executor, failure_of
 from impvm.operator.manifests import get_jit_secret, get_vm
 from impvm.scaling.names import secret_name, vm_name
 from impvm.scaling.poolpass import ActsDone, MintJit, PoolActs, PoolWorld
-from impvm.vm_metrics import record_phase
+from impvm.telemetry.vm_metrics import record_phase
 
 log = logging.getLogger("impvm.operator.pool")
 

@@ -47,7 +47,6 @@ from lightkube.core.exceptions import ApiError
 
 from impvm.api.models import PoolKey
 from impvm.api.resources import ImpVMRunnerPoolResource
-from impvm.events import EventRecorder
 from impvm.github import GitHubClient
 from impvm.github.errors import (
     BadCredentials,
@@ -56,6 +55,7 @@ from impvm.github.errors import (
     InstallationUnavailable,
     PermissionNotGranted,
 )
+from impvm.kube.events import EventRecorder
 from impvm.operator.context import OperatorContext
 from impvm.operator.execute import Executor
 from impvm.operator.metrics import REAPER_DECISIONS

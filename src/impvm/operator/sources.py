@@ -2,9 +2,9 @@
 
 :class:`KubeSource` reads through API calls (one list or get per question); :class:`CachedSource`
 answers the same questions, with the same typed values, from list+watch caches
-(:mod:`impvm.watchcache`, client-go's informer pattern), so an idle operator sends no request per
-pool pass. The operator process uses :class:`CachedSource`; tests that drive single passes may
-use either.
+(:mod:`impvm.kube.watchcache`, client-go's informer pattern), so an idle operator sends no
+request per pool pass. The operator process uses :class:`CachedSource`; tests that drive single
+passes may use either.
 
 What :class:`CachedSource` watches (one cache per kind and watched namespace, ``"*"`` when the
 operator is cluster-wide), and the most objects each holds (:data:`MAX_OBJECTS`):
@@ -77,10 +77,10 @@ from impvm.api.resources import (
 )
 from impvm.api.times import parse_time
 from impvm.api.vm import VM
+from impvm.kube.watchcache import Key, WatchCache, key_of
 from impvm.operator.metrics import VM_LIFETIME
 from impvm.scaling.nodes import NodeLease
 from impvm.scaling.poolpass.world import PoolObj
-from impvm.watchcache import Key, WatchCache, key_of
 
 log = logging.getLogger("impvm.operator.sources")
 

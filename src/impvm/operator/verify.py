@@ -12,13 +12,13 @@ from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 
-from impvm.agent.signing import key_fingerprint
 from impvm.api.models import (
     PUBLIC_KEY_PEM_PATTERN,
     VERIFY_PUBLIC_KEY_MAX_LENGTH,
     ImpVMTemplateSpec,
 )
 from impvm.scaling.poolpass.world import VerifyKey
+from impvm.signing.keys import key_fingerprint
 
 _PEM = re.compile(PUBLIC_KEY_PEM_PATTERN)
 

@@ -56,8 +56,8 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.devstack.controlplane import ControlPlane, write_private
-from impvm.devstack.kube import admin_client, install_crds, node_bound_token
+from impvm.kube.admin import admin_client, install_crds, node_bound_token
+from impvm.kube.controlplane import ControlPlane, write_private
 from impvm.up.config import APP_SECRET, WEBHOOK_SECRET, ConfigError, UpConfig
 
 FIELD_MANAGER = "impvm-up"

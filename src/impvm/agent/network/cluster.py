@@ -40,7 +40,7 @@ from lightkube.resources.networking_v1 import ServiceCIDR
 from impvm.agent.network.node import NodeNetwork, parse_resolvers
 from impvm.agent.network.policy import collapse
 from impvm.agent.network.ruleset import NetConfigError
-from impvm.watchcache import Key, WatchCache
+from impvm.kube.watchcache import Key, WatchCache
 
 log = logging.getLogger("impvm.agent.network")
 
@@ -180,7 +180,7 @@ def split_resolvers(
 
 class ClusterWatch:
     """Keeps ``network``'s protected networks at ``static`` plus what the API says: every Node's
-    addresses and pod networks, every ServiceCIDR (list + watch, :mod:`impvm.watchcache`). The
+    addresses and pod networks, every ServiceCIDR (list + watch, :mod:`impvm.kube.watchcache`). The
     agent's ServiceAccount may list and watch both (deploy/rbac/agent.yaml). A kind it cannot
     read within ``sync_seconds`` (no permission, an API server without ServiceCIDRs) is given up
     with a warning that names the setting to use instead."""

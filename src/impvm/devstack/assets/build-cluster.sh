@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build what the test cluster runs beyond the control plane, once per pinned version, and print
-# the directory holding every binary: the control plane (build-control-plane.sh) plus
+# the directory holding every binary: the control plane (impvm/kube/assets/build-control-plane.sh) plus
 # kube-scheduler, kubelet and kube-proxy from the same k8s.io/kubernetes module, CoreDNS from its
 # Go module (github.com/coredns/coredns, whose go.mod has no replace directives, so a throwaway
 # module that requires it builds the release's own module graph), and the pod sandbox's pause
@@ -29,7 +29,7 @@ fi
 log() { echo "build-cluster: $*" >&2; }
 
 here="$(cd "$(dirname "$0")" && pwd)"
-cp_dir="$(IMPVM_K8S_VERSION="$K8S_VERSION" IMPVM_ETCD_VERSION="$ETCD_VERSION" bash "$here/build-control-plane.sh" "${K8S_EXTRA[@]}")"
+cp_dir="$(IMPVM_K8S_VERSION="$K8S_VERSION" IMPVM_ETCD_VERSION="$ETCD_VERSION" bash "$here/../../kube/assets/build-control-plane.sh" "${K8S_EXTRA[@]}")"
 mkdir -p "$OUT"
 for b in etcd kube-apiserver kube-controller-manager kubectl "${K8S_EXTRA[@]}"; do
   ln -sfn "$cp_dir/$b" "$OUT/$b"

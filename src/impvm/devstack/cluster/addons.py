@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from impvm.devstack.cluster.node import CLUSTER_DNS, CLUSTER_DOMAIN
-from impvm.devstack.controlplane import KUBELET_CLIENT_USER
+from impvm.kube.controlplane import KUBELET_CLIENT_USER
 
 COREFILE = f"""\
 .:53 {{

@@ -1,5 +1,5 @@
 """A real multi-node Kubernetes cluster on this machine, for tests and benchmarks: the control
-plane of :mod:`impvm.devstack.controlplane` (``for_nodes``: ``Node,RBAC``, NodeRestriction,
+plane of :mod:`impvm.kube.controlplane` (``for_nodes``: ``Node,RBAC``, NodeRestriction,
 every default controller, kube-scheduler) on the address of a host bridge, a loopback-style
 image registry (Debian's docker-registry) on that address, nodes that are each a network
 namespace with containerd, kubelet and kube-proxy (:mod:`.node`, :mod:`.network`), and CoreDNS
@@ -34,9 +34,9 @@ from impvm.devstack.cluster import addons, cgroups, state
 from impvm.devstack.cluster.images import binary_image
 from impvm.devstack.cluster.network import ClusterNetwork
 from impvm.devstack.cluster.node import ClusterNode
-from impvm.devstack.controlplane import ControlPlane
 from impvm.devstack.netns import NetNamespace, run_token
 from impvm.devstack.registry import LocalRegistry
+from impvm.kube.controlplane import ControlPlane
 
 ASSETS = ("kubelet", "kube-scheduler", "kube-proxy", "coredns", "pause")
 

@@ -28,7 +28,7 @@ import yaml
 
 from impvm.devstack.cluster import cgroups
 from impvm.devstack.cluster.network import NodeAddress
-from impvm.devstack.controlplane import ControlPlane
+from impvm.kube.controlplane import ControlPlane
 
 CNI_BIN = Path("/usr/lib/cni")
 #: host directories each node has of its own (bind-mounted in its mount namespace)

@@ -16,9 +16,9 @@ from lightkube.core.exceptions import ApiError
 from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Event
 
+from impvm.agent.guesttext import printable
 from impvm.api.models import AGENT_LEASE_LABEL, AGENT_LEASE_PREFIX
 from impvm.api.resources import ImpVMResource
-from impvm.guesttext import printable
 
 #: Lease annotation with the agent's workdir (live consoles are under ``vms/<vm id>/``)
 WORKDIR_ANNOTATION = "imp.dev/workdir"
@@ -87,7 +87,7 @@ async def _agent_workdir(kube: AsyncClient, node: str) -> str | None:
 
 
 def read(loc: ConsoleLocation) -> bytes:
-    """The console as UTF-8 text safe to print (:func:`impvm.guesttext.printable`: a guest's
+    """The console as UTF-8 text safe to print (:func:`impvm.agent.guesttext.printable`: a guest's
     bytes never reach the terminal's control functions), read on this machine. Raises
     :class:`LogsError` naming the node and path when it is not here (another node, or
     removed)."""

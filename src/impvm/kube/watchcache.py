@@ -46,7 +46,7 @@ from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
 from lightkube.types import on_error_raise
 
-log = logging.getLogger("impvm.watchcache")
+log = logging.getLogger("impvm.kube.watchcache")
 
 T = TypeVar("T")
 

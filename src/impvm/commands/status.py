@@ -1,8 +1,8 @@
-"""``impvm status``: read one snapshot of the cluster and print it (:mod:`impvm.statusview`),
-once, as JSON, or redrawn every few seconds (``--watch``). Works with any kubeconfig: the one
-given, else ``KUBECONFIG`` / ``~/.kube/config`` / the in-cluster ServiceAccount (lightkube's
-discovery, as kubectl does). Reads only: pools, VMs and Events (one namespace or all) and the
-agents' Leases (any namespace, by label)."""
+"""``impvm status``: read one snapshot of the cluster and print it
+(:mod:`impvm.commands.statusview`), once, as JSON, or redrawn every few seconds (``--watch``).
+Works with any kubeconfig: the one given, else ``KUBECONFIG`` / ``~/.kube/config`` / the
+in-cluster ServiceAccount (lightkube's discovery, as kubectl does). Reads only: pools, VMs and
+Events (one namespace or all) and the agents' Leases (any namespace, by label)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from rich.live import Live
 
 from impvm.api.models import AGENT_LEASE_LABEL, AGENT_LEASE_PREFIX
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.statusview import Snapshot, render, summarize
+from impvm.commands.statusview import Snapshot, render, summarize
 
 
 def discover(kubeconfig: Path | None = None, context: str | None = None) -> SingleConfig:

@@ -74,7 +74,7 @@ class ControlPlaneError(RuntimeError):
 
 def build_script() -> Path:
     """Path of the shipped build script for the control-plane binaries."""
-    return Path(str(resources.files("impvm.devstack") / "assets" / "build-control-plane.sh"))
+    return Path(str(resources.files("impvm.kube") / "assets" / "build-control-plane.sh"))
 
 
 def find_assets(build: bool = True) -> Path:

@@ -1,6 +1,6 @@
 """Render ``docs/configuration.md`` from the models: every field of the custom resources
 (:mod:`impvm.api.models`) and of ``impvm.yaml`` (:mod:`impvm.up.config`) with its wire name,
-type, default, limits and description. ``python -m impvm.docgen > docs/configuration.md``;
+type, default, limits and description. ``python -m impvm.commands.docgen > docs/configuration.md``;
 tests/test_docs_in_sync.py fails while the file differs."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from impvm.up.config import UpConfig
 
 HEADER = """# Configuration reference
 
-Generated from the models by `python -m impvm.docgen > docs/configuration.md` (a test fails
+Generated from the models by `python -m impvm.commands.docgen > docs/configuration.md` (a test fails
 while this file differs): every field of the custom resources (API `{api}`) and of `impvm.yaml`
 (the file `impvm up` reads). Names are the wire names (camelCase); "-" means no default (a
 required field has `required`). Limits are enforced by the API server (CRD schema and CEL rules)

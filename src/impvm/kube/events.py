@@ -24,7 +24,7 @@ from lightkube.types import PatchType
 
 from impvm.api.times import k8s_time
 
-log = logging.getLogger("impvm.events")
+log = logging.getLogger("impvm.kube.events")
 
 
 @dataclass
