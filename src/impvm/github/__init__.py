@@ -12,10 +12,11 @@ from impvm.github.auth import (
     create_app_jwt,
     credentials_from_secret,
 )
-from impvm.github.client import (
+from impvm.github.client import GitHubClient
+from impvm.github.transport import api_base_url
+from impvm.github.types import (
     REPO_RUNNER_GROUP_ID,
     DeleteOutcome,
-    GitHubClient,
     JitConfig,
     Listed,
     RateLimitBucket,
@@ -25,7 +26,6 @@ from impvm.github.client import (
     Scope,
     WorkflowJob,
     WorkflowRun,
-    api_base_url,
 )
 
 __all__ = [

@@ -1,332 +1,73 @@
-"""Async GitHub REST client for the operator: App/PAT auth, JIT configs, runners, runs/jobs.
-
-Built on githubkit (typed requests and response models). This module adds what the operator
-needs on top: installation tokens minted per permission set and cached until shortly before
-expiry, typed errors (:mod:`impvm.github.errors`), rate-limit waits, bounded jittered retries,
-ETag conditional requests for repeated list reads, and Prometheus metrics.
+"""Async GitHub REST client for the operator: JIT configs, runner groups, runners, runs and jobs,
+the installation's repositories, rate limits. Each endpoint is one method over
+:class:`impvm.github.transport.GitHubTransport` (auth, retries, rate-limit waits, conditional
+reads); an endpoint that exists for an organisation and a repository takes a :class:`Scope` and
+resolves its path once (:func:`_at`).
 
 Sources: GitHub REST docs "Self-hosted runners" (JIT config, list/get/delete runners),
-"Self-hosted runner groups", "Workflow runs", "Workflow jobs", "Installations"
-(list repositories accessible to the app installation), "Rate limit", "Rate limits for the REST
-API" (primary: wait until ``x-ratelimit-reset``; secondary: honour ``retry-after``, else wait at
-least one minute, exponentially longer on repeats) and "Best practices for using the REST API"
-(conditional requests: a 304 does not count against the primary rate limit).
+"Self-hosted runner groups", "Workflow runs", "Workflow jobs", "Installations" (list
+repositories accessible to the app installation) and "Rate limit".
 """
 
 from __future__ import annotations
 
-import asyncio
-import enum
-import functools
-import random
-import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar, cast
+from typing import Any, Literal, TypeAlias, cast
 
-import httpx
-from githubkit import GitHub, Response, UnauthAuthStrategy
-from githubkit.exception import RequestError, RequestFailed, RequestTimeout
+from githubkit import Response
 from githubkit.utils import UNSET
 from pydantic import SecretStr
 
-from impvm.github import metrics
-from impvm.github.auth import (
-    AppCredentials,
-    CredentialIdentity,
-    Credentials,
-    PatCredentials,
-    Permissions,
-    TokenCache,
-    create_app_jwt,
-    identity_of,
-    permissions_key,
+from impvm.github.auth import Permissions
+from impvm.github.errors import NotFound, RequestRejected
+from impvm.github.transport import GitHubTransport
+from impvm.github.types import (
+    DeleteOutcome,
+    JitConfig,
+    Listed,
+    RateLimitBucket,
+    Repository,
+    Runner,
+    RunStatus,
+    Scope,
+    WorkflowJob,
+    WorkflowRun,
 )
-from impvm.github.errors import (
-    BadCredentials,
-    Conflict,
-    GitHubError,
-    InstallationUnavailable,
-    NotFound,
-    PermissionNotGranted,
-    RateLimited,
-    RequestRejected,
-    TransientError,
-)
-
-T = TypeVar("T")
-
-DEFAULT_API_URL = "https://api.github.com"
-#: Runner group id of repository-level runners (repositories have only the "Default" group).
-REPO_RUNNER_GROUP_ID = 1
-
-RunStatus = Literal[
-    "queued", "in_progress", "completed", "waiting", "requested", "pending", "action_required"
-]
-
-
-def api_base_url(server_url: str | None) -> str:
-    """REST API base for ``platform.serverURL``.
-
-    ``None``, ``https://github.com`` or ``https://api.github.com`` -> ``https://api.github.com``;
-    any other ``https://HOST`` (GitHub Enterprise Server) -> ``https://HOST/api/v3``.
-    Source: GitHub Enterprise Server docs, "Getting started with the REST API" (base URL)."""
-    if not server_url:
-        return DEFAULT_API_URL
-    url = server_url.rstrip("/")
-    host = httpx.URL(url).host
-    if host in ("github.com", "api.github.com"):
-        return DEFAULT_API_URL
-    if url.endswith("/api/v3"):
-        return url
-    return url + "/api/v3"
-
-
-@dataclass(frozen=True)
-class Scope:
-    """Where runners register: exactly one of ``org`` (login) or ``repo`` (``owner/name``)."""
-
-    org: str | None = None
-    repo: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.org is None) == (self.repo is None):
-            raise ValueError("Scope needs exactly one of org or repo")
-        if self.repo is not None and self.repo.count("/") != 1:
-            raise ValueError("Scope.repo must be 'owner/name'")
-
-    @property
-    def owner_repo(self) -> tuple[str, str]:
-        """``(owner, name)`` of a repository scope; ``ValueError`` for an org scope."""
-        if self.repo is None:
-            raise ValueError("not a repository scope")
-        owner, name = self.repo.split("/")
-        return owner, name
-
-    def __str__(self) -> str:
-        return f"org {self.org}" if self.org is not None else f"repo {self.repo}"
-
-
-@dataclass(frozen=True)
-class JitConfig:
-    """Result of a JIT request. ``encoded_jit_config`` is opaque and secret: ``repr``/``str``
-    never show it; read it with ``.get_secret_value()`` only to write the VM's Secret."""
-
-    runner_id: int
-    runner_name: str
-    encoded_jit_config: SecretStr
-
-
-@dataclass(frozen=True)
-class Runner:
-    """A self-hosted runner as GitHub reports it. ``status`` is ``"online"``/``"offline"``."""
-
-    id: int
-    name: str
-    status: str
-    busy: bool
-    labels: tuple[str, ...]
-    os: str
-    runner_group_id: int | None
-    ephemeral: bool | None
-
-
-class DeleteOutcome(enum.Enum):
-    """Outcome of :meth:`GitHubClient.delete_runner`."""
-
-    DELETED = "deleted"
-    BUSY = "busy"
-    NOT_FOUND = "not_found"
-
-
-@dataclass(frozen=True)
-class WorkflowRun:
-    """A workflow run (subset). ``repository`` is ``owner/name``."""
-
-    id: int
-    name: str | None
-    status: str | None
-    conclusion: str | None
-    repository: str
-    run_attempt: int | None
-    event: str
-    head_branch: str | None
-    created_at: datetime
-    updated_at: datetime
-
-
-@dataclass(frozen=True)
-class WorkflowJob:
-    """A workflow job (subset). ``runner_*`` are set once a runner took the job."""
-
-    id: int
-    run_id: int
-    name: str
-    status: str
-    conclusion: str | None
-    labels: tuple[str, ...]
-    runner_id: int | None
-    runner_name: str | None
-    runner_group_id: int | None
-    workflow_name: str | None
-    head_branch: str | None
-    created_at: datetime
-    started_at: datetime
-    completed_at: datetime | None
-
-
-@dataclass(frozen=True)
-class Repository:
-    """A repository the installation can access."""
-
-    id: int
-    full_name: str
-    owner: str
-    name: str
-    private: bool
-
-
-@dataclass(frozen=True)
-class RateLimitBucket:
-    """One rate-limit resource: ``reset`` is epoch seconds."""
-
-    limit: int
-    remaining: int
-    used: int
-    reset: int
-
-
-@dataclass(frozen=True)
-class Listed(Generic[T]):
-    """A list read page by page with conditional requests: the ``items``, the requests made
-    (``calls``, one per page) and how many of them GitHub answered 304 Not Modified
-    (``not_modified``; the kept answer was used). ``unchanged``: every page was a 304, so the
-    list is what it was at the last read (source: REST "Best practices for using the REST
-    API", use conditional requests)."""
-
-    items: list[T]
-    calls: int
-    not_modified: int
-
-    @property
-    def unchanged(self) -> bool:
-        return self.calls > 0 and self.not_modified == self.calls
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Retry bounds (seconds). Transient failures (5xx, timeouts, connection errors) are retried
-    ``max_transient_retries`` times with full-jitter exponential backoff
-    (``min(max_delay, base_delay * 2**n) * U[0.5, 1]``). Rate limits are waited for at most
-    ``max_rate_limit_retries`` times and never longer than ``max_rate_limit_wait`` per wait;
-    beyond that :class:`RateLimited` is raised with ``retry_after`` and ``reset_at``. With
-    ``max_rate_limit_retries=0`` the client never waits: the caller decides (the operator's
-    pool pass records the condition at once and schedules its retry). A secondary limit without
-    ``retry-after`` waits ``secondary_min_wait * 2**n``."""
-
-    max_transient_retries: int = 4
-    base_delay: float = 1.0
-    max_delay: float = 30.0
-    max_rate_limit_retries: int = 3
-    max_rate_limit_wait: float = 900.0
-    secondary_min_wait: float = 60.0
 
 
 def _opt(value: Any) -> Any:
     return None if value is UNSET else value
 
 
-def _epoch(iso: str) -> float:
-    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+#: a githubkit endpoint method: called with the scope's path arguments, then the endpoint's own
+ScopedCall: TypeAlias = Callable[..., Awaitable[Response[Any, Any]]]
 
 
-Fetch = Callable[[dict[str, str]], Awaitable[Response[T, Any]]]
+def _at(scope: Scope, path: str, org_call: ScopedCall, repo_call: ScopedCall) -> _Scoped:
+    """The organisation's or the repository's form of one endpoint: ``path`` below
+    ``/orgs/{org}/actions/`` or ``/repos/{owner}/{repo}/actions/`` (GitHub REST docs, "Self-hosted
+    runners": every runner endpoint exists in both forms, with the same body and answers)."""
+    if scope.org is not None:
+        return _Scoped("/orgs/{org}/actions/" + path, (scope.org,), org_call)
+    owner, repo = scope.owner_repo
+    return _Scoped("/repos/{owner}/{repo}/actions/" + path, (owner, repo), repo_call)
 
 
-class _KeptTransport(httpx.AsyncBaseTransport):
-    """One connection pool (and one TLS context) for every request of a client. githubkit makes
-    an ``httpx.AsyncClient`` per request and closes it afterwards; closing that client must not
-    close the pool, so :meth:`aclose` does nothing and :meth:`shutdown` closes it for real (a
-    later request opens a new pool)."""
+@dataclass(frozen=True)
+class _Scoped:
+    """One endpoint resolved for a scope: ``endpoint`` (the path template, for errors and
+    metrics), the scope's path arguments, and the githubkit method to call."""
 
-    def __init__(self) -> None:
-        self._inner: httpx.AsyncHTTPTransport | None = None
+    endpoint: str
+    args: tuple[str, ...]
+    call: ScopedCall
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if self._inner is None:
-            self._inner = httpx.AsyncHTTPTransport()
-        return await self._inner.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        """Called by each per-request client: keep the pool."""
-
-    async def shutdown(self) -> None:
-        """Close the pool's connections."""
-        inner, self._inner = self._inner, None
-        if inner is not None:
-            await inner.aclose()
+    def __call__(self, *rest: Any, **kwargs: Any) -> Awaitable[Response[Any, Any]]:
+        return self.call(*self.args, *rest, **kwargs)
 
 
-class _Shared:
-    """State shared by a client and its :meth:`GitHubClient.with_permissions` views."""
-
-    def __init__(
-        self,
-        credentials: Credentials,
-        api_url: str,
-        timeout: float,
-        retry: RetryPolicy,
-        sleep: Callable[[float], Awaitable[None]],
-        clock: Callable[[], float],
-        token_refresh_margin: float,
-        page_size: int,
-        etag_cache_size: int,
-    ) -> None:
-        self.credentials = credentials
-        self.api_url = api_url
-        self.identity = identity_of(credentials, api_url)
-        #: GitHub accepted these credentials: an installation token was minted (App) or a
-        #: request answered (PAT)
-        self.proven = False
-        self.transport = _KeptTransport()
-        self.gh = GitHub(
-            UnauthAuthStrategy(),
-            base_url=api_url,
-            timeout=timeout,
-            auto_retry=False,
-            http_cache=False,
-            user_agent="impvm",
-            async_transport=self.transport,
-        )
-        self.retry = retry
-        self.sleep = sleep
-        self.clock = clock
-        self.tokens = TokenCache(refresh_margin=token_refresh_margin)
-        self.mint_locks: dict[Hashable, asyncio.Lock] = {}
-        self.page_size = page_size
-        self.etags: OrderedDict[Hashable, tuple[str, Any]] = OrderedDict()
-        self.etag_cache_size = etag_cache_size
-        #: last rate-limit headers seen per resource (``x-ratelimit-resource``)
-        self.budget: dict[str, RateLimitBucket] = {}
-
-    def secrets(self) -> list[str]:
-        out = self.tokens.secrets()
-        if isinstance(self.credentials, AppCredentials):
-            out.append(self.credentials.private_key.get_secret_value())
-        else:
-            out.append(self.credentials.token.get_secret_value())
-        return out
-
-    def redact(self, text: str) -> str:
-        for secret in self.secrets():
-            if secret:
-                text = text.replace(secret, "***")
-        return text
-
-
-class GitHubClient:
+class GitHubClient(GitHubTransport):
     """Async GitHub REST client for one set of credentials (one App installation or one PAT).
 
     ``credentials``: :class:`AppCredentials` or :class:`PatCredentials`. ``server_url``: the
@@ -346,360 +87,6 @@ class GitHubClient:
     Errors: every method raises only :class:`impvm.github.errors.GitHubError` subclasses.
     Call :meth:`close` (or use ``async with``) when done.
     """
-
-    def __init__(
-        self,
-        credentials: Credentials,
-        *,
-        server_url: str | None = None,
-        api_url: str | None = None,
-        timeout: float = 30.0,
-        retry: RetryPolicy | None = None,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        clock: Callable[[], float] = time.time,
-        rng: Callable[[], float] = random.random,
-        token_refresh_margin: float = 300.0,
-        page_size: int = 100,
-        etag_cache_size: int = 16384,
-    ) -> None:
-        self._shared = _Shared(
-            credentials,
-            api_url or api_base_url(server_url),
-            timeout,
-            retry or RetryPolicy(),
-            sleep,
-            clock,
-            token_refresh_margin,
-            page_size,
-            etag_cache_size,
-        )
-        self._rng = rng
-        self._permissions: Permissions | None = None
-
-    def __repr__(self) -> str:
-        return f"GitHubClient(api_url={self._shared.api_url!r})"
-
-    @property
-    def api_url(self) -> str:
-        """The REST API base URL in use."""
-        return self._shared.api_url
-
-    @property
-    def identity(self) -> CredentialIdentity:
-        """Who this client is (:class:`CredentialIdentity`: no secret in it). A client's
-        credentials never change: other credentials get another client, with their own tokens
-        and caches."""
-        return self._shared.identity
-
-    @property
-    def installation(self) -> str | None:
-        """:attr:`CredentialIdentity.installation` once GitHub accepted the credentials (an
-        installation token was minted for that installation, or a PAT's request answered),
-        else None: claiming an App ID and installation ID in a Secret proves nothing."""
-        return self._shared.identity.installation if self._shared.proven else None
-
-    def _record_budget(self, resource: str, headers: Any) -> None:
-        def num(name: str) -> int:
-            raw = headers.get(name, "")
-            return int(raw) if raw.isdigit() else 0
-
-        self._shared.budget[resource] = RateLimitBucket(
-            limit=num("x-ratelimit-limit"),
-            remaining=num("x-ratelimit-remaining"),
-            used=num("x-ratelimit-used"),
-            reset=num("x-ratelimit-reset"),
-        )
-
-    def rate_budget(self, resource: str = "core") -> RateLimitBucket | None:
-        """The rate-limit budget of ``resource`` as the last response reported it (headers
-        ``x-ratelimit-*``; ``reset`` in epoch seconds), or None before any response. Free: no
-        request is made (source: REST "Rate limits for the REST API", checking your status)."""
-        return self._shared.budget.get(resource)
-
-    def with_permissions(self, permissions: Permissions) -> GitHubClient:
-        """A view of this client whose calls all use a token restricted to ``permissions``
-        (e.g. ``{"actions": "read"}``). Shares connection, token and ETag caches."""
-        view = object.__new__(GitHubClient)
-        view._shared = self._shared
-        view._rng = self._rng
-        view._permissions = dict(permissions)
-        return view
-
-    async def close(self) -> None:
-        """Release resources (tokens, ETags, connections). Idempotent."""
-        self._shared.tokens = TokenCache(refresh_margin=self._shared.tokens.refresh_margin)
-        self._shared.etags.clear()
-        await self._shared.transport.shutdown()
-
-    async def __aenter__(self) -> GitHubClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    # ------------------------------------------------------------------ auth
-
-    def _perms(self, needed: Permissions) -> Permissions:
-        return self._permissions if self._permissions is not None else needed
-
-    async def _authorization(self, perms: Permissions) -> str:
-        creds = self._shared.credentials
-        if isinstance(creds, PatCredentials):
-            return f"Bearer {creds.token.get_secret_value()}"
-        token = self._shared.tokens.get(creds.installation_id, perms, self._shared.clock())
-        if token is None:
-            token = await self._mint(creds, perms)
-        return f"token {token.get_secret_value()}"
-
-    async def _mint(self, creds: AppCredentials, perms: Permissions) -> SecretStr:
-        key = (creds.installation_id, permissions_key(perms))
-        lock = self._shared.mint_locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            cached = self._shared.tokens.get(creds.installation_id, perms, self._shared.clock())
-            if cached is not None:
-                return cached
-            bearer = "Bearer " + create_app_jwt(creds.app_id, creds.private_key.get_secret_value())
-            gh = self._shared.gh
-            body: dict[str, Any] = {"permissions": dict(perms)} if perms else {}
-            try:
-                resp = await self._send(
-                    "/app/installations/{installation_id}/access_tokens",
-                    "POST",
-                    perms,
-                    lambda h: gh.rest.apps.async_create_installation_access_token(
-                        creds.installation_id, headers=h, data=cast(Any, body)
-                    ),
-                    authorization=bearer,
-                    minting=True,
-                )
-                token = resp.parsed_data
-            except GitHubError as exc:
-                metrics.TOKEN_MINTS.labels(result=type(exc).__name__).inc()
-                if isinstance(exc, BadCredentials | InstallationUnavailable):
-                    self._shared.proven = False  # a revoked key or a removed installation
-                raise
-            secret = SecretStr(token.token)
-            self._shared.tokens.put(creds.installation_id, perms, secret, _epoch(token.expires_at))
-            self._shared.proven = True
-            metrics.TOKEN_MINTS.labels(result="ok").inc()
-            return secret
-
-    # ------------------------------------------------------------------ transport
-
-    def _error(self, endpoint: str, resp: Response[Any, Any], minting: bool) -> GitHubError:
-        status = resp.status_code
-        try:
-            payload = resp.json()
-            message = str(payload.get("message", "")) if isinstance(payload, dict) else ""
-        except ValueError:
-            message = ""
-        text = self._shared.redact(f"GitHub {status} on {endpoint}: {message}".rstrip(": "))
-        lowered = message.lower()
-        if status == 401:
-            return BadCredentials(text, endpoint=endpoint, status=status)
-        if minting and status == 404:
-            return InstallationUnavailable(text, reason="removed", endpoint=endpoint, status=status)
-        if status == 403 and (minting or "suspended" in lowered):
-            return InstallationUnavailable(
-                text, reason="suspended", endpoint=endpoint, status=status
-            )
-        if (minting and status == 422) or status == 403:
-            return PermissionNotGranted(text, endpoint=endpoint, status=status)
-        if status == 404:
-            return NotFound(text, endpoint=endpoint, status=status)
-        if status == 409:
-            return Conflict(text, endpoint=endpoint, status=status)
-        if status >= 500:
-            return TransientError(text, endpoint=endpoint, status=status)
-        return RequestRejected(text, endpoint=endpoint, status=status)
-
-    def _rate_limit_wait(self, resp: Response[Any, Any], attempt: int) -> tuple[str, float] | None:
-        if resp.status_code not in (403, 429):
-            return None
-        headers = resp.headers
-        try:
-            payload = resp.json()
-            message = str(payload.get("message", "")).lower() if isinstance(payload, dict) else ""
-        except ValueError:
-            message = ""
-        secondary = "secondary rate limit" in message
-        if "retry-after" in headers:
-            try:
-                wait = float(headers["retry-after"])
-            except ValueError:
-                wait = self._shared.retry.secondary_min_wait
-            primary = headers.get("x-ratelimit-remaining") == "0" and not secondary
-            return ("primary" if primary else "secondary", max(wait, 0.0))
-        if headers.get("x-ratelimit-remaining") == "0" and not secondary:
-            try:
-                reset = float(headers["x-ratelimit-reset"])
-            except (KeyError, ValueError):
-                return ("primary", self._shared.retry.secondary_min_wait)
-            return ("primary", max(reset - self._shared.clock(), 0.0) + 1.0)
-        if secondary or resp.status_code == 429:
-            return ("secondary", self._shared.retry.secondary_min_wait * 2**attempt)
-        return None
-
-    async def _send(
-        self,
-        endpoint: str,
-        method: str,
-        perms: Permissions,
-        fetch: Fetch[T],
-        *,
-        authorization: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        minting: bool = False,
-    ) -> Response[T, Any]:
-        """Send one logical request with auth, retries and metrics; return a 2xx/304 response
-        or raise a typed error."""
-        shared = self._shared
-        policy = shared.retry
-        transient = 0
-        limited = 0
-        reauthed = False
-        while True:
-            auth = authorization or await self._authorization(perms)
-            headers = {"Authorization": auth, **(extra_headers or {})}
-            failure: GitHubError
-            try:
-                resp = await fetch(headers)
-            except RequestFailed as exc:
-                resp = exc.response
-            except RequestTimeout:
-                metrics.API_CALLS.labels(endpoint=endpoint, method=method, status="timeout").inc()
-                failure = TransientError(f"GitHub timeout on {endpoint}", endpoint=endpoint)
-                resp = None
-            except RequestError as exc:
-                metrics.API_CALLS.labels(endpoint=endpoint, method=method, status="error").inc()
-                reason = type(getattr(exc, "exc", exc)).__name__
-                failure = TransientError(
-                    f"GitHub connection error on {endpoint}: {reason}", endpoint=endpoint
-                )
-                resp = None
-            if resp is not None:
-                metrics.API_CALLS.labels(
-                    endpoint=endpoint, method=method, status=str(resp.status_code)
-                ).inc()
-                remaining = resp.headers.get("x-ratelimit-remaining")
-                if remaining is not None and remaining.isdigit():
-                    resource = resp.headers.get("x-ratelimit-resource", "core")
-                    metrics.RATE_LIMIT_REMAINING.labels(resource=resource).set(int(remaining))
-                    self._record_budget(resource, resp.headers)
-                if resp.status_code < 400:
-                    if not minting and isinstance(shared.credentials, PatCredentials):
-                        shared.proven = True
-                    return resp
-                wait = self._rate_limit_wait(resp, limited)
-                if wait is not None:
-                    kind, seconds = wait
-                    if limited >= policy.max_rate_limit_retries or (
-                        seconds > policy.max_rate_limit_wait
-                    ):
-                        raise RateLimited(
-                            f"GitHub {kind} rate limit on {endpoint}; retry after {seconds:.0f} s",
-                            kind=kind,
-                            retry_after=seconds,
-                            endpoint=endpoint,
-                            status=resp.status_code,
-                            reset_at=shared.clock() + seconds,
-                        )
-                    limited += 1
-                    metrics.RATE_LIMIT_WAITS.labels(kind=kind).inc()
-                    await shared.sleep(seconds)
-                    continue
-                if (
-                    resp.status_code == 401
-                    and not minting
-                    and not reauthed
-                    and isinstance(shared.credentials, AppCredentials)
-                ):
-                    # A cached token may have been revoked: mint a fresh one once.
-                    shared.tokens.drop(shared.credentials.installation_id, perms)
-                    reauthed = True
-                    continue
-                failure = self._error(endpoint, resp, minting)
-                if isinstance(failure, BadCredentials) and isinstance(
-                    shared.credentials, PatCredentials
-                ):
-                    shared.proven = False  # a revoked token
-                if not isinstance(failure, TransientError):
-                    raise failure
-            transient += 1
-            if transient > policy.max_transient_retries:
-                raise failure
-            delay = min(policy.max_delay, policy.base_delay * 2 ** (transient - 1))
-            await shared.sleep(delay * (0.5 + 0.5 * self._rng()))
-
-    async def _get(
-        self, endpoint: str, perms: Permissions, cache_key: Hashable, fetch: Fetch[T]
-    ) -> T:
-        """GET with ETag revalidation: a 304 returns the cached parsed body."""
-        data, _ = await self._get_conditional(endpoint, perms, cache_key, fetch)
-        return data
-
-    async def _get_conditional(
-        self, endpoint: str, perms: Permissions, cache_key: Hashable, fetch: Fetch[T]
-    ) -> tuple[T, bool]:
-        """GET with ``If-None-Match`` when an ETag of ``cache_key`` is kept: returns the body
-        and whether GitHub answered 304 (the kept body is returned then)."""
-        shared = self._shared
-        key = (cache_key, permissions_key(perms))
-        cached = shared.etags.get(key)
-        extra = {"If-None-Match": cached[0]} if cached is not None else None
-        resp = await self._send(endpoint, "GET", perms, fetch, extra_headers=extra)
-        if resp.status_code == 304 and cached is not None:
-            shared.etags.move_to_end(key)
-            return cast(T, cached[1]), True
-        data = resp.parsed_data
-        etag = resp.headers.get("etag")
-        if etag:
-            shared.etags[key] = (etag, data)
-            shared.etags.move_to_end(key)
-            while len(shared.etags) > shared.etag_cache_size:
-                shared.etags.popitem(last=False)
-        return data, False
-
-    async def _paginate(
-        self,
-        endpoint: str,
-        perms: Permissions,
-        cache_key: Hashable,
-        fetch_page: Callable[[int, int, dict[str, str]], Awaitable[Response[Any, Any]]],
-        items: Callable[[Any], Sequence[Any]],
-        total: Callable[[Any], int],
-    ) -> list[Any]:
-        """Read all pages (``per_page`` = page size) until a short page or ``total_count``."""
-        listed = await self._paginate_conditional(
-            endpoint, perms, cache_key, fetch_page, items, total
-        )
-        return listed.items
-
-    async def _paginate_conditional(
-        self,
-        endpoint: str,
-        perms: Permissions,
-        cache_key: Hashable,
-        fetch_page: Callable[[int, int, dict[str, str]], Awaitable[Response[Any, Any]]],
-        items: Callable[[Any], Sequence[Any]],
-        total: Callable[[Any], int],
-    ) -> Listed[Any]:
-        """:meth:`_paginate`, counting the requests and the 304s among them."""
-        size = self._shared.page_size
-        out: list[Any] = []
-        page = calls = not_modified = 0
-        while True:
-            page += 1
-            fetch: Fetch[Any] = functools.partial(fetch_page, page, size)
-            data, cached = await self._get_conditional(
-                endpoint, perms, (cache_key, page, size), fetch
-            )
-            calls += 1
-            not_modified += cached
-            batch = items(data)
-            out.extend(batch)
-            if len(batch) < size or len(out) >= total(data):
-                return Listed(out, calls, not_modified)
 
     # ------------------------------------------------------------------ runner groups
 
@@ -751,28 +138,19 @@ class GitHubClient:
             "labels": list(labels) or ["self-hosted"],
             "work_folder": work_folder,
         }
-        if scope.org is not None:
-            org = scope.org
-            resp = await self._send(
-                "/orgs/{org}/actions/runners/generate-jitconfig",
-                "POST",
-                self._perms({"organization_self_hosted_runners": "write"}),
-                lambda h: gh.rest.actions.async_generate_runner_jitconfig_for_org(
-                    org, headers=h, data=cast(Any, body)
-                ),
-            )
-            data: Any = resp.parsed_data
-        else:
-            owner, repo = scope.owner_repo
-            resp2 = await self._send(
-                "/repos/{owner}/{repo}/actions/runners/generate-jitconfig",
-                "POST",
-                self._perms({"administration": "write"}),
-                lambda h: gh.rest.actions.async_generate_runner_jitconfig_for_repo(
-                    owner, repo, headers=h, data=cast(Any, body)
-                ),
-            )
-            data = resp2.parsed_data
+        at = _at(
+            scope,
+            "runners/generate-jitconfig",
+            gh.rest.actions.async_generate_runner_jitconfig_for_org,
+            gh.rest.actions.async_generate_runner_jitconfig_for_repo,
+        )
+        resp = await self._send(
+            at.endpoint,
+            "POST",
+            self._runner_perms(scope, "write"),
+            lambda h: at(headers=h, data=cast(Any, body)),
+        )
+        data: Any = resp.parsed_data
         return JitConfig(
             runner_id=int(data.runner.id),
             runner_name=str(data.runner.name),
@@ -801,59 +179,39 @@ class GitHubClient:
         """All self-hosted runners of the scope whose name starts with ``name_prefix``
         (all pages; ETag-revalidated). Source: REST "Self-hosted runners", list runners."""
         gh = self._shared.gh
-        perms = self._runner_perms(scope, "read")
-        if scope.org is not None:
-            org = scope.org
-            models = await self._paginate(
-                "/orgs/{org}/actions/runners",
-                perms,
-                ("runners", str(scope)),
-                lambda p, n, h: gh.rest.actions.async_list_self_hosted_runners_for_org(
-                    org, per_page=n, page=p, headers=h
-                ),
-                lambda d: d.runners,
-                lambda d: d.total_count,
-            )
-        else:
-            owner, repo = scope.owner_repo
-            models = await self._paginate(
-                "/repos/{owner}/{repo}/actions/runners",
-                perms,
-                ("runners", str(scope)),
-                lambda p, n, h: gh.rest.actions.async_list_self_hosted_runners_for_repo(
-                    owner, repo, per_page=n, page=p, headers=h
-                ),
-                lambda d: d.runners,
-                lambda d: d.total_count,
-            )
+        at = _at(
+            scope,
+            "runners",
+            gh.rest.actions.async_list_self_hosted_runners_for_org,
+            gh.rest.actions.async_list_self_hosted_runners_for_repo,
+        )
+        models = await self._paginate(
+            at.endpoint,
+            self._runner_perms(scope, "read"),
+            ("runners", str(scope)),
+            lambda p, n, h: at(per_page=n, page=p, headers=h),
+            lambda d: d.runners,
+            lambda d: d.total_count,
+        )
         return [self._runner(m) for m in models if str(m.name).startswith(name_prefix)]
 
     async def get_runner(self, scope: Scope, runner_id: int) -> Runner | None:
         """One runner, or ``None`` if GitHub no longer knows it (404).
         Source: REST "Self-hosted runners", get a self-hosted runner."""
         gh = self._shared.gh
-        perms = self._runner_perms(scope, "read")
+        at = _at(
+            scope,
+            "runners/{runner_id}",
+            gh.rest.actions.async_get_self_hosted_runner_for_org,
+            gh.rest.actions.async_get_self_hosted_runner_for_repo,
+        )
         try:
-            if scope.org is not None:
-                org = scope.org
-                resp: Response[Any, Any] = await self._send(
-                    "/orgs/{org}/actions/runners/{runner_id}",
-                    "GET",
-                    perms,
-                    lambda h: gh.rest.actions.async_get_self_hosted_runner_for_org(
-                        org, runner_id, headers=h
-                    ),
-                )
-            else:
-                owner, repo = scope.owner_repo
-                resp = await self._send(
-                    "/repos/{owner}/{repo}/actions/runners/{runner_id}",
-                    "GET",
-                    perms,
-                    lambda h: gh.rest.actions.async_get_self_hosted_runner_for_repo(
-                        owner, repo, runner_id, headers=h
-                    ),
-                )
+            resp = await self._send(
+                at.endpoint,
+                "GET",
+                self._runner_perms(scope, "read"),
+                lambda h: at(runner_id, headers=h),
+            )
         except NotFound:
             return None
         return self._runner(resp.parsed_data)
@@ -863,28 +221,19 @@ class GitHubClient:
         -> ``BUSY``; 404 -> ``NOT_FOUND``. Other failures raise.
         Source: REST "Self-hosted runners", delete a self-hosted runner."""
         gh = self._shared.gh
-        perms = self._runner_perms(scope, "write")
+        at = _at(
+            scope,
+            "runners/{runner_id}",
+            gh.rest.actions.async_delete_self_hosted_runner_from_org,
+            gh.rest.actions.async_delete_self_hosted_runner_from_repo,
+        )
         try:
-            if scope.org is not None:
-                org = scope.org
-                await self._send(
-                    "/orgs/{org}/actions/runners/{runner_id}",
-                    "DELETE",
-                    perms,
-                    lambda h: gh.rest.actions.async_delete_self_hosted_runner_from_org(
-                        org, runner_id, headers=h
-                    ),
-                )
-            else:
-                owner, repo = scope.owner_repo
-                await self._send(
-                    "/repos/{owner}/{repo}/actions/runners/{runner_id}",
-                    "DELETE",
-                    perms,
-                    lambda h: gh.rest.actions.async_delete_self_hosted_runner_from_repo(
-                        owner, repo, runner_id, headers=h
-                    ),
-                )
+            await self._send(
+                at.endpoint,
+                "DELETE",
+                self._runner_perms(scope, "write"),
+                lambda h: at(runner_id, headers=h),
+            )
         except NotFound:
             return DeleteOutcome.NOT_FOUND
         except RequestRejected as exc:

@@ -21,8 +21,8 @@ import datetime as dt
 from dataclasses import dataclass, field
 
 from impvm.github import GitHubClient, Scope, WorkflowJob, WorkflowRun
-from impvm.github.client import RunStatus
 from impvm.github.errors import NotFound
+from impvm.github.types import RunStatus
 from impvm.scaling.jobtable import Job
 
 #: the run statuses a poll lists (a run's jobs are queued or in progress only in these)
