@@ -1,0 +1,147 @@
+"""ImpVMClass (cluster-scoped): a VM size, its egress policy, and the namespaces that may use
+it (like IngressClass and StorageClass restrictions)."""
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from impvm.api.meta import ApiModel, cel
+from impvm.api.network_types import NetworkSpec
+
+# --------------------------------------------------------------------------------------------
+# ImpVMClass (cluster-scoped)
+
+#: The label the API server puts on every namespace, holding its name (Kubernetes >= 1.21).
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+#: A label key: an optional DNS-subdomain prefix and "/", then a name of at most 63 characters.
+_LABEL_KEY = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+
+
+class LabelSelectorRequirement(ApiModel):
+    """One requirement of a label selector (Kubernetes LabelSelectorRequirement)."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            "(self.operator in ['In', 'NotIn']) == (has(self.values) && size(self.values) > 0)",
+            "namespaces.selector.matchExpressions[].values must be set for In and NotIn and "
+            "empty for Exists and DoesNotExist",
+            ".values",
+        ),
+    ]
+
+    key: str = Field(min_length=1, max_length=317, pattern=_LABEL_KEY, description="The label key.")
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(
+        description="In, NotIn, Exists or DoesNotExist."
+    )
+    values: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Label values (In, NotIn); empty for Exists and DoesNotExist.",
+        json_schema_extra={"items": {"type": "string", "maxLength": 63}},
+    )
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        """Whether ``labels`` meet this requirement (Kubernetes' semantics)."""
+        if self.operator == "In":
+            return self.key in labels and labels[self.key] in self.values
+        if self.operator == "NotIn":
+            return self.key not in labels or labels[self.key] not in self.values
+        if self.operator == "Exists":
+            return self.key in labels
+        return self.key not in labels
+
+
+class LabelSelector(ApiModel):
+    """A label selector (Kubernetes LabelSelector): every matchLabels pair and every
+    matchExpressions requirement must hold; an empty selector selects everything."""
+
+    match_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Labels that must all be present with these values.",
+        json_schema_extra={
+            "maxProperties": 32,
+            "additionalProperties": {"type": "string", "maxLength": 63},
+        },
+    )
+    match_expressions: list[LabelSelectorRequirement] = Field(
+        default_factory=list, max_length=32, description="Requirements that must all hold."
+    )
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        """Whether ``labels`` are selected."""
+        return all(labels.get(k) == v for k, v in self.match_labels.items()) and all(
+            r.matches(labels) for r in self.match_expressions
+        )
+
+
+class ClassNamespaces(ApiModel):
+    """Which namespaces may use a class (the shape of Gateway API's allowedRoutes.namespaces).
+    Enforced by the API server (the ValidatingAdmissionPolicy impvm-class-namespaces) when a
+    template or VM is created or changes its class, and by the operator's pool pass."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            "(self.from == 'Selector') == has(self.selector)",
+            "namespaces.selector must be set when namespaces.from is Selector, and only then",
+            ".selector",
+        ),
+    ]
+
+    from_: Literal["All", "Selector"] = Field(
+        default="All",
+        alias="from",
+        description="All: every namespace (the default); Selector: only the namespaces whose "
+        "labels match selector (select one by its name with the label "
+        "kubernetes.io/metadata.name).",
+    )
+    selector: LabelSelector | None = Field(
+        default=None, description="The namespaces that may use the class (from: Selector)."
+    )
+
+    def admits(self, namespace_labels: Mapping[str, str]) -> bool:
+        """Whether a namespace with ``namespace_labels`` (its name included, under
+        :data:`NAMESPACE_NAME_LABEL`) may use the class."""
+        if self.from_ == "All":
+            return True
+        return self.selector is not None and self.selector.matches(namespace_labels)
+
+
+class ImpVMClassSpec(ApiModel):
+    """Size of a VM: vCPUs, memory (MiB) and disk (GiB)."""
+
+    vcpu: int = Field(ge=1, le=256, description="Number of virtual CPUs.")
+    memory_mib: int = Field(
+        alias="memoryMiB", ge=128, le=1048576, description="Guest memory in MiB."
+    )
+    disk_gib: int = Field(
+        alias="diskGiB", ge=1, le=65536, description="Size of the VM's writable disk in GiB."
+    )
+    network: NetworkSpec | None = Field(
+        default=None,
+        description="Network of every VM of this class (set by the cluster admin); default: "
+        "egress policy public.",
+    )
+    namespaces: ClassNamespaces | None = Field(
+        default=None,
+        description="Which namespaces may use the class; default: all (set from: Selector on a "
+        "class whose network opens what not every team may reach).",
+    )
+
+    def admits(self, namespace_labels: Mapping[str, str]) -> bool:
+        """Whether a namespace with ``namespace_labels`` may use this class."""
+        return self.namespaces is None or self.namespaces.admits(namespace_labels)
+
+
+class ImpVMClass(ApiModel):
+    """A VM size, shared by templates in every namespace."""
+
+    kind: ClassVar[str] = "ImpVMClass"
+    plural: ClassVar[str] = "impvmclasses"
+    short_names: ClassVar[list[str]] = ["impc"]
+    namespaced: ClassVar[bool] = False
+
+    spec: ImpVMClassSpec
