@@ -48,6 +48,8 @@ class Env:
     tmp_path: Path
     images: Images
     cls: str = field(default_factory=lambda: f"agent-test-{uuid.uuid4().hex[:6]}")
+    #: the node of the agent last started (VMs are created bound to it)
+    node: str = ""
 
     def create_class(self) -> None:
         self.kube.create(
@@ -65,7 +67,9 @@ class Env:
         self, name: str, layer: str, node: str | None = None, image: str | None = None
     ) -> None:
         """A VM of the class with a JIT Secret (the runner layers here never use it), of the
-        test base image unless ``image`` is given."""
+        test base image unless ``image`` is given, bound to ``node`` (default: the node of the
+        agent last started, as the operator's placement would; ``""``: unbound)."""
+        node = self.node if node is None else node
         self.kube.create(
             Secret(
                 metadata=ObjectMeta(name=f"{name}-jit", namespace=self.namespace),
@@ -102,12 +106,13 @@ class Env:
     ) -> AsyncIterator[Agent]:
         """An agent with the process runtime, running for the block."""
         store = ImageStore(self.tmp_path / "cache", 1 << 30, {self.images.registry})
+        self.node = f"node-{uuid.uuid4().hex[:6]}"
         agent = Agent(
             self.akube,
             ProcessRuntime(store),
             AgentConfig(
-                node_name=f"node-{uuid.uuid4().hex[:6]}",
-                capacity=Resources(4, 4096),
+                node_name=self.node,
+                capacity=Resources(8, 8192),
                 workdir=self.tmp_path / "agent",
                 lease_namespace=self.namespace,
                 tick_seconds=tick,
@@ -149,31 +154,34 @@ def condition(vm: dict[str, Any], type_: str) -> dict[str, Any] | None:
 
 
 async def test_vm_of_a_missing_class_is_refused_by_name_until_the_class_exists(env: Env) -> None:
-    """No fallback size: neither a free VM nor one created bound to the node is claimed or
-    booted while its class is missing; both say which class, with a Warning. Once the class
-    exists both run."""
+    """No fallback size: VMs bound to the node are not booted while their class is missing;
+    each says which class, with a Warning. Once the class exists both run. An unbound VM is
+    never touched: the operator places VMs, not the agent."""
     async with env.agent() as agent:
         node = agent.config.node_name
-        env.create_vm("free", env.images.sleep)
-        env.create_vm("bound", env.images.sleep, node)
+        env.create_vm("free", env.images.sleep, node="")
+        env.create_vm("bound", env.images.sleep)
+        env.create_vm("bound-too", env.images.sleep)
 
         async def both_refused() -> bool:
             got = await env.vms()
-            return all(condition(v, "ClassMissing") for v in got.values()) and len(got) == 2
+            return all(condition(got[n], "ClassMissing") for n in ("bound", "bound-too"))
 
         await until("both VMs refused", both_refused)
-        for name, vm in (await env.vms()).items():
+        for name in ("bound", "bound-too"):
+            vm = (await env.vms())[name]
             cond = condition(vm, "ClassMissing")
             assert cond is not None and cond["status"] == "True", (name, cond)
             assert f"'{env.cls}'" in cond["message"]
             assert (vm.get("status") or {}).get("phase") is None, name  # not booted
-        assert not (await env.vms())["free"]["spec"].get("nodeName")  # not claimed
+        free = (await env.vms())["free"]
+        assert not free["spec"].get("nodeName") and not free.get("status")  # untouched
         assert not (env.tmp_path / "agent" / "vms").exists() or not any(
             (env.tmp_path / "agent" / "vms").iterdir()
         )
         events = [e async for e in env.akube.list(Event, namespace=env.namespace)]
         refused = {e.involvedObject.name for e in events if e.reason == "ClassNotFound"}
-        assert refused == {"free", "bound"}
+        assert refused == {"bound", "bound-too"}
         assert all(env.cls in (e.message or "") for e in events if e.reason == "ClassNotFound")
         assert all(e.type == "Warning" for e in events if e.reason == "ClassNotFound")
 
@@ -181,10 +189,14 @@ async def test_vm_of_a_missing_class_is_refused_by_name_until_the_class_exists(e
 
         async def both_running() -> bool:
             got = await env.vms()
-            return all((v.get("status") or {}).get("phase") == "Running" for v in got.values())
+            return all(
+                (got[n].get("status") or {}).get("phase") == "Running"
+                for n in ("bound", "bound-too")
+            )
 
         await until("both VMs running once the class exists", both_running)
-        for vm in (await env.vms()).values():
+        for name in ("bound", "bound-too"):
+            vm = (await env.vms())[name]
             assert vm["spec"]["nodeName"] == node
             cond = condition(vm, "ClassMissing")
             assert cond is not None and (cond["status"], cond["reason"]) == ("False", "Found")
@@ -262,7 +274,7 @@ async def test_agent_forgets_the_vms_it_is_done_with(env: Env) -> None:
 
         await until("the agent forgot every VM", forgotten)
         assert isinstance(agent.runtime, ProcessRuntime) and agent.runtime.known() == set()
-        assert len(agent.mine.store) == 0 and len(agent.unbound.store) == 0
+        assert len(agent.mine.store) == 0
 
 
 async def test_a_failed_vm_keeps_its_console_for_impvm_logs(
@@ -329,7 +341,9 @@ async def test_a_failed_vm_keeps_its_console_for_impvm_logs(
     assert out.returncode == 1 and f"on node {node} at {path}" in out.stderr.decode()
 
 
-async def test_an_agent_that_failed_its_preflight_claims_nothing_and_says_why(env: Env) -> None:
+async def test_an_agent_that_failed_its_preflight_runs_nothing_and_says_why(env: Env) -> None:
+    """The Lease says the checks failed (the operator binds no VM there); a VM bound there
+    anyway fails with NodePreflightFailed, so its pool replaces it elsewhere."""
     from lightkube.resources.coordination_v1 import Lease
 
     env.create_class()
@@ -347,6 +361,13 @@ async def test_an_agent_that_failed_its_preflight_claims_nothing_and_says_why(en
             return ann.get("imp.dev/preflight", "").startswith("failed: bwrap")
 
         await until("the Lease says the preflight failed", advertised)
-        await asyncio.sleep(2)  # ticks pass: still not claimed
-        vm = (await env.vms())["waiting"]
-        assert not vm["spec"].get("nodeName") and not (vm.get("status") or {}).get("phase")
+
+        async def refused() -> bool:
+            return ((await env.vms())["waiting"].get("status") or {}).get("phase") == "Failed"
+
+        await until("the VM bound there failed", refused)
+        status = (await env.vms())["waiting"]["status"]
+        assert status["exitReason"] == "NodePreflightFailed" and "bwrap" in status["message"]
+        assert not (env.tmp_path / "agent" / "vms").exists() or not any(
+            (env.tmp_path / "agent" / "vms").iterdir()
+        )

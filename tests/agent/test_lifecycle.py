@@ -19,7 +19,6 @@ from impvm.agent.lifecycle import (
     CLASS_MISSING,
     IMAGE_VERIFIED,
     AddFinalizer,
-    Claim,
     Cleanup,
     Emit,
     KeepConsole,
@@ -161,72 +160,17 @@ LONG_AGO = NOW - timedelta(minutes=10)
         ("gone after exit", observe(None, "exited-0"), Why.GONE, ["Cleanup"], True, None),
         ("gone, prepared only", observe(None, local=PREPARED), Why.GONE, ["Cleanup"], True, None),
         ("gone, cleaned", observe(None, local=CLEANED), Why.GONE, [], True, None),
-        # 2. unbound
-        (
-            "unbound, fits",
-            observe(record(node=None, finalizer=False)),
-            Why.CLAIM,
-            ["Claim", "PatchStatus", "Emit"],
-            False,
-            0,
-        ),
-        (
-            "unbound, fits exactly",
-            observe(record(node=None, finalizer=False), used=Resources(2, 2048)),
-            Why.CLAIM,
-            ["Claim", "PatchStatus", "Emit"],
-            False,
-            0,
-        ),
-        (
-            "unbound, no vCPU left",
-            observe(record(node=None, finalizer=False), used=Resources(3, 0)),
-            Why.NO_CAPACITY,
-            [],
-            True,
-            None,
-        ),
-        (
-            "unbound, no memory left",
-            observe(record(node=None, finalizer=False), used=Resources(0, 3000)),
-            Why.NO_CAPACITY,
-            [],
-            True,
-            None,
-        ),
-        (
-            "unbound, preflight failed",
-            observe(record(node=None, finalizer=False), preflight=Preflight(False, "no kvm")),
-            Why.PREFLIGHT_FAILED,
-            [],
-            True,
-            None,
-        ),
-        (
-            "unbound, class missing",
-            observe(record(node=None, finalizer=False), size=None),
-            Why.CLASS_MISSING,
-            ["PatchStatus", "Emit"],
-            True,
-            None,
-        ),
+        # 2. unbound: the operator places VMs, an agent never writes one
+        ("unbound", observe(record(node=None, finalizer=False)), Why.NOT_BOUND, [], True, None),
         (
             "unbound, being deleted",
             observe(record(node=None, finalizer=False, deleting=True)),
-            Why.NOT_CLAIMABLE,
+            Why.NOT_BOUND,
             [],
             True,
             None,
         ),
-        (
-            "unbound, failed by the operator",
-            observe(record(node=None, finalizer=False, phase="Failed")),
-            Why.NOT_CLAIMABLE,
-            [],
-            True,
-            None,
-        ),
-        ("empty nodeName is unbound", observe(record(node="")), Why.CLAIM, None, False, 0),
+        ("empty nodeName is unbound", observe(record(node="")), Why.NOT_BOUND, [], True, None),
         # 3. another node
         ("bound elsewhere", observe(record(node="node-b")), Why.OTHER_NODE, [], True, None),
         # 4. deleting / finished
@@ -294,11 +238,51 @@ LONG_AGO = NOW - timedelta(minutes=10)
             False,
             0,
         ),
-        # 5. bound without the finalizer
-        ("created bound", observe(record(finalizer=False)), Why.ADOPT, ["AddFinalizer"], False, 0),
+        # 5. bound here, not admitted yet
+        ("bound, fits", observe(record(finalizer=False)), Why.ADOPT, ["AddFinalizer"], False, 0),
+        (
+            "bound, fits exactly",
+            observe(record(finalizer=False), used=Resources(2, 2048)),
+            Why.ADOPT,
+            ["AddFinalizer"],
+            False,
+            0,
+        ),
+        (
+            "bound, no vCPU left",
+            observe(record(finalizer=False), used=Resources(3, 0)),
+            Why.NO_CAPACITY,
+            ["PatchStatus", "Emit", "Cleanup"],
+            False,
+            0,
+        ),
+        (
+            "bound, no memory left",
+            observe(record(finalizer=False), used=Resources(0, 3000)),
+            Why.NO_CAPACITY,
+            ["PatchStatus", "Emit", "Cleanup"],
+            False,
+            0,
+        ),
+        (
+            "bound, preflight failed",
+            observe(record(finalizer=False), preflight=Preflight(False, "no kvm")),
+            Why.PREFLIGHT_FAILED,
+            ["PatchStatus", "Emit", "Cleanup"],
+            False,
+            0,
+        ),
+        (
+            "bound, class missing",
+            observe(record(finalizer=False), size=None),
+            Why.CLASS_MISSING,
+            ["PatchStatus", "Emit"],
+            True,
+            None,
+        ),
         # 6. not started
         (
-            "claimed, not prepared",
+            "admitted, not prepared",
             observe(record(phase="Scheduled")),
             Why.PREPARE,
             ["Prepare"],
@@ -462,26 +446,31 @@ def test_rung(
         assert action.recheck_seconds == recheck, (name, action)
 
 
-def test_claim_binds_reports_and_tells() -> None:
-    action = next_steps(observe(record(node=None, finalizer=False)))
-    assert action.steps[0] == Claim(SIZE)
-    assert status_of(action) == {
-        "phase": "Scheduled",
-        "nodeName": NODE,
-        "timings": {"scheduledAt": k8s_time(NOW)},
-    }
-    assert events_of(action) == [("Scheduled", False)]
+def test_a_vm_that_does_not_fit_fails_with_the_free_and_needed_capacity() -> None:
+    """Like the kubelet's OutOfcpu: the VM fails (its pool replaces it) and says why."""
+    action = next_steps(observe(record(finalizer=False), used=Resources(3, 0)))
+    status = status_of(action)
+    assert (status["phase"], status["exitReason"]) == ("Failed", "OutOfCapacity")
+    assert "1 vCPU, 4096 MiB free" in status["message"] and "needs 2 vCPU" in status["message"]
+    assert events_of(action) == [("OutOfCapacity", True)]
+    assert not action.has(AddFinalizer)
+
+
+def test_an_admitted_vm_reports_scheduled() -> None:
+    action = next_steps(observe(record(phase=None)))
+    assert status_of(action)["phase"] == "Scheduled"
+    assert status_of(action)["nodeName"] == NODE
 
 
 def test_missing_class_is_refused_by_name_once() -> None:
-    """No fallback size: the VM is neither claimed nor booted, a condition and a Warning name
+    """No fallback size: the VM is not admitted or booted, a condition and a Warning name
     the class, and a VM that already carries the condition gets no second write or Event."""
     for vm, what in [
-        (record(node=None, finalizer=False, cls="gone-class"), "scheduled"),
+        (record(finalizer=False, cls="gone-class"), "booted"),
         (record(phase="Scheduled", cls="gone-class"), "booted"),
     ]:
         action = next_steps(observe(vm, size=None))
-        assert not action.has(Claim) and not action.has(Start) and not action.has(Prepare)
+        assert not action.has(AddFinalizer) and not action.has(Start) and not action.has(Prepare)
         (cond,) = status_of(action)["conditions"]
         assert (cond["type"], cond["status"], cond["reason"]) == (CLASS_MISSING, "True", "NotFound")
         assert "'gone-class'" in cond["message"] and what in cond["message"]
@@ -504,7 +493,7 @@ def test_class_found_again_clears_the_condition() -> None:
     }
     other = dict(missing, type="Zeta", reason="Other")
     for vm in [
-        record(node=None, finalizer=False, conditions=[missing, other]),
+        record(conditions=[missing, other]),
         record(phase="Scheduled", conditions=[missing, other]),
     ]:
         action = next_steps(observe(vm))
@@ -709,9 +698,10 @@ def _check_rules(obs: VMObservation, action: VMSteps) -> None:
     if action.has(Release):
         assert not rt.active and obs.local.cleaned, (obs, action)
         assert steps[-1] == Release()
-    # a claim only for an unbound, live VM of a known class that fits, on a working host
-    if action.has(Claim):
-        assert not vm.node_name and not vm.deleting and vm.phase not in TERMINAL_PHASES
+    # admitted (the finalizer added) only: bound here, live, of a known class that fits, on a
+    # working host (or already running here)
+    if action.has(AddFinalizer) and rt.status == "missing":
+        assert vm.node_name == NODE and not vm.deleting and vm.phase not in TERMINAL_PHASES
         assert obs.size is not None and obs.preflight.ok
         assert obs.used.vcpu + obs.size.vcpu <= obs.capacity.vcpu
         assert obs.used.memory_mib + obs.size.memory_mib <= obs.capacity.memory_mib
@@ -725,9 +715,9 @@ def _check_rules(obs: VMObservation, action: VMSteps) -> None:
     # nothing is done to a VM of another node
     if vm.node_name and vm.node_name != NODE:
         assert steps == () and action.forget
-    # nothing but a status report and an Event for an unbound VM, or a claim
+    # nothing at all for an unbound VM: the operator binds, and no agent writes it
     if not vm.node_name:
-        assert {type(s) for s in steps} <= {Claim, PatchStatus, Emit}
+        assert steps == () and action.forget
     # a VM is stopped before it is cleaned up, and cleaned up before it is forgotten
     if rt.active and action.has(Cleanup):
         assert any(isinstance(s, Stop) for s in steps[: steps.index(Cleanup())])
@@ -741,7 +731,7 @@ def _check_rules(obs: VMObservation, action: VMSteps) -> None:
         assert phase in TERMINAL_PHASES
     # a deleted VM is never started, never re-reported as live
     if vm.deleting:
-        assert not action.has(Start) and not action.has(Claim) and not action.has(AddFinalizer)
+        assert not action.has(Start) and not action.has(AddFinalizer)
         assert phase in (None, "Terminating")
     # decide at once again after a step that changed something here (no wait for an event)
     if action.has(Cleanup) and not action.forget:
@@ -795,7 +785,8 @@ def test_rules_hold_for_any_observation(obs: VMObservation) -> None:
     action = next_steps(obs)
     _check_rules(obs, action)
     if not obs.preflight.ok:
-        assert not action.has(Claim)
+        assert not action.has(Start)
+        assert not action.has(AddFinalizer) or obs.runtime.status != "missing"
 
 
 @given(observations)
@@ -850,9 +841,7 @@ class World:
 
     def apply(self, action: VMSteps) -> None:
         for step in action.steps:
-            if isinstance(step, Claim):
-                self.node, self.finalizers = NODE, (*self.finalizers, AGENT_FINALIZER)
-            elif isinstance(step, AddFinalizer):
+            if isinstance(step, AddFinalizer):
                 self.finalizers = (*self.finalizers, AGENT_FINALIZER)
             elif isinstance(step, PatchStatus):
                 self.phase = step.fields.get("phase", self.phase)

@@ -5,7 +5,8 @@ The identities are the ones the install paths use: a ServiceAccount token bound 
 object (``impvm up``, the development stack) and one bound to a Pod on a node (the chart's
 projected token); the test first shows what the API server puts in their user info. With node
 A's token every attack below is refused with a message, and what the agent legitimately does
-(claim, status, its Lease, its finalizer, Events; a whole VM run by the real agent) still works.
+(status, its Lease, its finalizer, Events; a whole VM run by the real agent) still works. The
+agent binds nothing: the operator places VMs, so claiming an unbound VM is one of the attacks.
 Credentials that name no node - an unbound token, a client certificate of the ServiceAccount
 (what ``impvm up`` gave its agent before) - get no write at all.
 
@@ -293,6 +294,12 @@ def test_an_agent_of_node_a_cannot_touch_what_is_not_its_nodes(
             f"allowUnpinnedImages of {vm}",
             lambda vm=vm: patch(agent, g, vm, {"spec": {"allowUnpinnedImages": True}}),
         )  # type: ignore[misc]
+    attack("claim an unbound VM", lambda: patch(agent, g, free, {
+        "metadata": {"finalizers": [AGENT_FINALIZER]}, "spec": {"nodeName": a}
+    }))  # fmt: skip
+    attack("claim without the finalizer", lambda: patch(
+        agent, g, free, {"spec": {"nodeName": a}}
+    ))  # fmt: skip
     attack("claim with another image", lambda: patch(
         agent, g, free, {"spec": {"nodeName": a, "image": "evil@sha256:" + "2" * 64}}
     ))  # fmt: skip
@@ -340,12 +347,14 @@ def test_an_agent_of_node_a_cannot_touch_what_is_not_its_nodes(
     assert "not impvm-operator" in messages["stop the leader"]
     assert f"not impvm-agent-{b}" in messages["renew node B's Lease"]
     assert "held by that node" in messages["hold its own Lease as node B"]
-    assert "an agent sets spec.nodeName only" in messages[f"image of {mine}"]
+    assert "an agent changes no field of an ImpVM's spec" in messages[f"image of {mine}"]
+    for what in ("claim an unbound VM", "claim without the finalizer", "claim with another image"):
+        assert "the operator binds VMs" in messages[what], what
     assert f"bound to node {b}" in messages[f"image of {theirs}"]
     assert f"bound to node {b}" in messages["status of node B's VM"]
     assert "bound to no node" in messages["status of an unbound VM"]
     assert "nodeName" in messages["unbind its VM"]
-    assert "binds VMs to its own node only" in messages["bind a VM to node B"]
+    assert "bound to no node" in messages["bind a VM to node B"]
     assert "its own finalizer imp.dev/agent only" in messages["remove another finalizer"]
     assert "label" in messages["relabel its VM"]
     assert "reports Events as that node" in messages["an Event as node B"]
@@ -363,19 +372,18 @@ def test_an_agent_of_node_a_cannot_touch_what_is_not_its_nodes(
 
 @pytest.mark.parametrize("binding", ["node", "pod"])
 def test_what_an_agent_does_for_its_node_still_works(guarded: Guarded, binding: str) -> None:
-    """The claim (spec.nodeName to its node, its finalizer), status, its own Lease, its own
-    finalizer's removal and Events reported as its node: accepted."""
+    """On a VM the operator bound to its node: its finalizer added (admission), status, its own
+    Lease, its finalizer's removal and Events reported as its node: accepted."""
     g = guarded
     a = f"node-ok-{binding}"
     g.node(a)
     agent = g.client(g.token_for_node(a) if binding == "node" else g.token_for_pod(a))
-    name = f"claimable-{binding}"
-    g.vm(name)
+    name = f"bound-{binding}"
+    g.vm(name, a)
     vm = g.get_vm(name)
     patch(agent, g, name, {
         "metadata": {"resourceVersion": vm["metadata"]["resourceVersion"],
                      "finalizers": [OTHER_FINALIZER, AGENT_FINALIZER]},
-        "spec": {"nodeName": a},
     })  # fmt: skip
     patch(agent, g, name, {"status": {"phase": "Running", "message": "ok"}}, True)
     agent.apply(lease_body(f"impvm-agent-{a}", a), field_manager="impvm-agent", force=True)
@@ -392,7 +400,7 @@ def test_what_an_agent_does_for_its_node_still_works(guarded: Guarded, binding: 
     asyncio.run(
         recorder.record(
             api_version=API_VERSION, kind="ImpVM", namespace=g.namespace, name=name,
-            uid=got["metadata"]["uid"], reason="Claimed", message=f"claimed by {a}",
+            uid=got["metadata"]["uid"], reason="Admitted", message=f"admitted by {a}",
         )
     )  # fmt: skip
     events = g.kube.list(Event, namespace=g.namespace, fields={"involvedObject.name": name})
@@ -419,7 +427,7 @@ async def test_the_real_agent_runs_a_vm_under_the_policies(
     guarded: Guarded, images: Images, tmp_path: Path
 ) -> None:
     """The agent itself, as node A's token (Node-bound, as ``impvm up`` runs it), with the
-    process runtime: it advertises its Lease, claims a free VM, reports it up to its exit
+    process runtime: it advertises its Lease, admits the VM bound to its node, reports it up to its exit
     (the probe runner exits 3: Failed), and releases it (its finalizer) once done - every
     write passing the policies."""
     g = guarded
@@ -431,7 +439,7 @@ async def test_the_real_agent_runs_a_vm_under_the_policies(
             data={JIT_SECRET_KEY: base64.b64encode(b"jit-not-a-real-one").decode()},
         )
     )
-    g.vm("run-me", layer=images.probe, image=images.base, runnerConfigSecret="run-me-jit")
+    g.vm("run-me", node, layer=images.probe, image=images.base, runnerConfigSecret="run-me-jit")
     token = tmp_path / "api.token"
     token.write_text(g.token_for_node(node))
     client = AsyncClient(

@@ -41,6 +41,7 @@ async def test_class_and_vm_policies_reach_the_vm_through_the_agent(
     tmp_path: Path,
 ) -> None:
     cls, name = f"net-{uuid.uuid4().hex[:6]}", "probed"
+    node = f"node-{uuid.uuid4().hex[:6]}"
     await akube.create(
         ImpVMClassResource.from_dict(
             {
@@ -77,6 +78,7 @@ async def test_class_and_vm_policies_reach_the_vm_through_the_agent(
             "image": probe_images[0],
             "runnerLayer": probe_images[1],
             "runnerConfigSecret": f"{name}-jit",
+            "nodeName": node,  # as the operator's placement binds it
             # the pool's layer, as the operator copies it: ports 80 and 8000 (the control server)
             "network": {
                 "egress": {
@@ -91,7 +93,7 @@ async def test_class_and_vm_policies_reach_the_vm_through_the_agent(
         akube,
         ProcessRuntime(shared_store, network=node_network),
         AgentConfig(
-            node_name=f"node-{uuid.uuid4().hex[:6]}",
+            node_name=node,
             capacity=Resources(2, 2048),
             workdir=tmp_path / "agent",
             lease_namespace=namespace,

@@ -53,6 +53,7 @@ async def test_expire_after_stops_a_hung_vm(
             tmp_path / "layer", registry.address, run_sh=HUNG_RUN_SH, tag="hung"
         )
         cls = f"reaper-backstop-{uuid.uuid4().hex[:6]}"
+        node = f"node-{uuid.uuid4().hex[:6]}"
         kube.create(
             ImpVMClassResource.from_dict(
                 {
@@ -81,6 +82,7 @@ async def test_expire_after_stops_a_hung_vm(
                         "runnerLayer": layer,
                         "runnerConfigSecret": "vm-jit",
                         "expireAfter": "60s",
+                        "nodeName": node,  # as the operator's placement binds it
                     },
                 }
             )
@@ -92,7 +94,7 @@ async def test_expire_after_stops_a_hung_vm(
             akube,
             runtime,
             AgentConfig(
-                node_name=f"node-{uuid.uuid4().hex[:6]}",
+                node_name=node,
                 capacity=Resources(4, 4096),
                 workdir=tmp_path / "agent",
                 lease_namespace=namespace,

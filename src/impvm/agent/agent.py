@@ -1,21 +1,21 @@
-"""The node agent (``impvm agent``): claims ImpVMs for its node, runs them through a
+"""The node agent (``impvm agent``): runs the ImpVMs bound to its node through a
 :class:`~impvm.agent.runtime.Runtime`, and reports their lifecycle in ``ImpVM.status``.
 
 This module is the imperative shell around :func:`impvm.agent.lifecycle.decide`: it observes,
 asks ``decide`` what to do for one VM, carries the steps out and asks again.
 
-Observing costs no request per VM: three watch caches (:mod:`impvm.kube.watchcache`) hold the VMs
-bound to this node (field selector ``spec.nodeName=<node>``), the unbound VMs it may claim
-(``spec.nodeName=``) and the ImpVMClasses. Each change of a VM wakes that VM's worker; a class
-change wakes the VMs of that class; a released VM wakes the unbound ones (capacity was freed).
+Observing costs no request per VM: two watch caches (:mod:`impvm.kube.watchcache`) hold the VMs
+bound to this node (field selector ``spec.nodeName=<node>``) and the ImpVMClasses. Each change of a
+VM wakes that VM's worker; a class change wakes the VMs of that class.
 What a write returns goes into the cache at once, so the next decision sees it. The VM's JIT
 config is obtained once, at start, from a :class:`~impvm.agent.jitsource.JitSource` (the
 operator's hand-out: the agent cannot read Secrets).
 
-Binding: an agent claims an unbound VM by setting ``spec.nodeName`` (and its finalizer) in one
-update that carries the VM's ``resourceVersion``, so when several agents race the API server lets
-exactly one win (409 for the others); the CRD forbids changing ``nodeName`` afterwards. Claims are
-made one at a time per agent and only for what fits its advertised capacity (vCPU, MiB).
+Binding: the operator binds each VM to a node (``spec.nodeName``, :mod:`impvm.operator.scheduler`)
+from the capacity the agents advertise; an agent never picks VMs, and the API server refuses it any
+write to a VM not bound to its node (deploy/admission/agent.yaml), so no node can take another's
+VMs by winning races. The agent admits a VM bound to it, one at a time, by adding its finalizer
+when the VM fits its free capacity (vCPU, MiB), and fails one that does not (``OutOfCapacity``).
 Liveness and capacity are advertised in a ``coordination.k8s.io`` Lease ``impvm-agent-<node>``,
 renewed every ``lease_renew_seconds``. The same code runs as a DaemonSet pod or as a local process
 beside the embedded control plane.
@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -128,7 +127,7 @@ def _parse_class(raw: dict[str, Any]) -> ImpVMClassSpec:
 
 class Agent:
     """One node's agent. ``run()`` works until cancelled. ``preflight``: whether this host can
-    run VMs (an agent whose runtime cannot work claims nothing); ``jit``: where JIT configs
+    run VMs (an agent whose runtime cannot work admits no VM); ``jit``: where JIT configs
     come from."""
 
     def __init__(
@@ -163,14 +162,6 @@ class Agent:
             on_change=self._poke,
             name=f"impvms on {node}",
         )
-        self.unbound: WatchCache[VM] = WatchCache(
-            client,
-            ImpVMResource,
-            _parse_vm,
-            fields={"spec.nodeName": ""},
-            on_change=self._poke,
-            name="unbound impvms",
-        )
         self.classes: WatchCache[ImpVMClassSpec] = WatchCache(
             client,
             ImpVMClassResource,
@@ -181,7 +172,7 @@ class Agent:
         )
         self._workers: dict[Key, _Worker] = {}
         self._local: dict[Key, _Local] = {}
-        self._claim_lock = asyncio.Lock()
+        self._admit_lock = asyncio.Lock()
         self._ready = False
         self._early: set[Key] = set()
 
@@ -202,14 +193,14 @@ class Agent:
             except ApiError as e:
                 log.warning("agent start: %s; retrying", e.status.message)
                 await asyncio.sleep(1.0)
-        caches = (self.classes, self.mine, self.unbound)
+        caches = (self.classes, self.mine)
         tasks = [asyncio.create_task(c.run(), name=c.name) for c in caches]
         tasks.append(asyncio.create_task(self._lease_loop(), name="lease"))
         try:
             await asyncio.gather(*(c.synced.wait() for c in caches))
             await self._sweep_stale()
             self._ready = True
-            for key in sorted(self._early | set(self.mine.store) | set(self.unbound.store)):
+            for key in sorted(self._early | set(self.mine.store)):
                 self._poke(key)
             self._early.clear()
             tasks.append(asyncio.create_task(self._resync_loop(), name="resync"))
@@ -280,7 +271,7 @@ class Agent:
         wake-up that was missed."""
         while True:
             await asyncio.sleep(self.config.resync_seconds)
-            for key in sorted(set(self.mine.store) | set(self.unbound.store)):
+            for key in sorted(self.mine.store):
                 self._poke(key)
 
     def _poke(self, key: Key) -> None:
@@ -297,10 +288,9 @@ class Agent:
 
     def _class_changed(self, key: Key) -> None:
         """An ImpVMClass was added, changed or removed: wake the VMs that use it."""
-        for cache in (self.mine, self.unbound):
-            for vm in cache.values():
-                if vm.class_name == key[1]:
-                    self._poke(vm.key)
+        for vm in self.mine.values():
+            if vm.class_name == key[1]:
+                self._poke(vm.key)
 
     # ------------------------------------------------------------------ one VM
 
@@ -328,18 +318,14 @@ class Agent:
             if self._workers.get(key) is w:
                 del self._workers[key]
 
-    def _vm(self, key: Key) -> VM | None:
-        """The VM from the caches: bound here wins over unbound (the two watches do not
-        deliver in step while a claim moves a VM from one to the other)."""
-        return self.mine.get(key) or self.unbound.get(key)
-
     async def _step(self, key: Key) -> lc.VMSteps | None:
         """Observe one VM, decide, act. Returns the action, or None when a step failed (then
-        the next decision comes after a tick). Claims are made one at a time."""
-        vm = self._vm(key)
-        if vm is not None and not vm.node_name:
-            async with self._claim_lock:
-                return await self._decide_and_act(key, self._vm(key))
+        the next decision comes after a tick). VMs are admitted one at a time (each admission
+        counts the capacity the ones before it took)."""
+        vm = self.mine.get(key)
+        if vm is not None and not vm.deleting and AGENT_FINALIZER not in vm.finalizers:
+            async with self._admit_lock:
+                return await self._decide_and_act(key, self.mine.get(key))
         return await self._decide_and_act(key, vm)
 
     async def _decide_and_act(self, key: Key, vm: VM | None) -> lc.VMSteps | None:
@@ -431,7 +417,7 @@ class Agent:
 
     async def _do(self, key: Key, vm: VM | None, req: VMRequest | None, step: lc.Step) -> bool:
         """One step. Returns False when the rest of the action must not run (a conflict: the
-        VM changed, or another agent claimed it). Raises ``ApiError``."""
+        VM changed meanwhile). Raises ``ApiError``."""
         local = self._local.setdefault(key, _Local())
         if isinstance(step, lc.Emit):
             if vm is not None:
@@ -444,22 +430,15 @@ class Agent:
         if isinstance(step, lc.PatchStatus):
             await self._patch_status(vm, dict(step.fields))
             return True
-        if isinstance(step, lc.Claim):
-            await asyncio.sleep(random.uniform(0, 0.05))  # several agents: do not collide
-            fins = [*vm.finalizers, AGENT_FINALIZER]
-            ok = await self._patch_meta(vm, fins, {"spec": {"nodeName": self.config.node_name}})
+        if isinstance(step, lc.AddFinalizer):
+            ok = await self._patch_meta(vm, [*vm.finalizers, AGENT_FINALIZER])
             if ok:
-                local.size = step.size
                 self.record_capacity()
             return ok
-        if isinstance(step, lc.AddFinalizer):
-            return await self._patch_meta(vm, [*vm.finalizers, AGENT_FINALIZER])
         if isinstance(step, lc.Release):
             ok = await self._patch_meta(vm, [f for f in vm.finalizers if f != AGENT_FINALIZER])
-            if ok:  # capacity freed: the unbound VMs may fit now
+            if ok:
                 self.record_capacity()
-                for k in self.unbound.store:
-                    self._poke(k)
             return ok
         raise AssertionError(f"unknown step {step!r}")
 
@@ -549,19 +528,14 @@ class Agent:
         )
 
     def _written(self, raw: dict[str, Any]) -> None:
-        """Put what a write returned into the cache its ``spec.nodeName`` selects."""
-        node = (raw.get("spec") or {}).get("nodeName")
-        (self.mine if node == self.config.node_name else self.unbound).written(raw)
+        """Put what a write returned into the cache (every VM this agent writes is bound
+        here)."""
+        self.mine.written(raw)
 
-    async def _patch_meta(
-        self, vm: VM, finalizers: list[str], extra: dict[str, Any] | None = None
-    ) -> bool:
-        """Set the VM's finalizers (and ``extra``) if it still has the observed
-        resourceVersion. False on a conflict or when the VM is gone or refuses the change."""
-        patch = {
-            "metadata": {"resourceVersion": vm.resource_version, "finalizers": finalizers},
-            **(extra or {}),
-        }
+    async def _patch_meta(self, vm: VM, finalizers: list[str]) -> bool:
+        """Set the VM's finalizers if it still has the observed resourceVersion. False on a
+        conflict or when the VM is gone or refuses the change."""
+        patch = {"metadata": {"resourceVersion": vm.resource_version, "finalizers": finalizers}}
         try:
             got = await self.client.patch(
                 ImpVMResource, vm.name, patch, namespace=vm.namespace, patch_type=PatchType.MERGE

@@ -7,26 +7,28 @@ observed then (level-triggered, like a Kubernetes controller).
 The ladder, first match wins (each rung names its :class:`Why`):
 
 1. the VM is gone: stop and clean up what this agent still runs for it;
-2. unbound: refuse a VM whose ImpVMClass is missing (condition ``ClassMissing`` naming the
-   class, and an Event); claim nothing while the host preflight fails; claim what fits the
-   node's free capacity: ``spec.nodeName`` + finalizer in one update carrying the VM's
-   resourceVersion, so of several racing agents exactly one wins;
-3. bound to another node: nothing to do;
-4. being deleted, or finished (Succeeded/Failed): stop, clean up, and only then release the
+2. unbound, or bound to another node: nothing to do (the operator places VMs,
+   :mod:`impvm.scaling.placement`; the API server refuses an agent any write to a VM not
+   bound to its node);
+3. being deleted, or finished (Succeeded/Failed): stop, clean up, and only then release the
    finalizer (never before the runtime reported the VM stopped and its files are removed);
-5. bound here without the finalizer (created with ``spec.nodeName``): add it;
-6. not started (no phase, Pending, Scheduled): report Scheduled, prepare the image (pull by
+4. bound here without the finalizer: admit it, as the kubelet admits a pod: refuse a VM whose
+   ImpVMClass is missing (condition ``ClassMissing`` naming the class, and an Event); fail it
+   while the host preflight fails (``NodePreflightFailed``) or when it does not fit the
+   node's free capacity (``OutOfCapacity``); else add the finalizer (from then on it holds
+   capacity here);
+5. not started (no phase, Pending, Scheduled): report Scheduled, prepare the image (pull by
    digest, verify, check signatures when the VM requires them, unpack), wait for the JIT
    config Secret, start;
-7. started (Starting, Running): report Running; finish with the runner's exit (Succeeded on 0);
+6. started (Starting, Running): report Running; finish with the runner's exit (Succeeded on 0);
    fail on the ``expireAfter`` deadline (DeadlineExceeded), on a start that takes longer than
    the start timeout (StartTimeout), or when the runtime no longer knows the VM (Lost).
 
 After an agent restart nothing of :class:`LocalFacts` is left, and none is needed: a runtime whose
 VMs outlive the agent process (``qemu``) re-attaches a VM it finds running when first asked about
-it, so the runtime reports ``starting``/``running`` and rung 7 carries on watching it (no second
+it, so the runtime reports ``starting``/``running`` and rung 6 carries on watching it (no second
 :class:`Start`, so no second JIT config; a VM still in a not-started phase is reported started by
-rung 6), or ``exited`` with the exit code the VM reported while no agent ran, which rung 7 reports
+rung 5), or ``exited`` with the exit code the VM reported while no agent ran, which rung 6 reports
 as for any exit. Only a VM the runtime cannot re-attach (``missing``: the ``process`` runtime's
 sandboxes die with the agent) is Lost.
 
@@ -36,7 +38,7 @@ runtime attaches it inside :class:`Start` just before the launch and detaches it
 attach is a StartFailed like any other and every path that cleans a VM up removes its network.
 
 Where later capabilities slot in, without reshaping: a failing host preflight already gates
-claims (:class:`Preflight`); signature verification is part of :class:`Prepare`
+admission (:class:`Preflight`); signature verification is part of :class:`Prepare`
 (a refusal arrives as :attr:`LocalFacts.failure`, every outcome as
 :attr:`LocalFacts.verification`, reported in the ``ImageVerified`` condition); keeping the
 console of a failed VM is an option of :class:`Cleanup` chosen in :func:`_fail`/:func:`_finish`.
@@ -77,7 +79,7 @@ EVENT_CHARS = 500
 @dataclass(frozen=True)
 class Preflight:
     """Whether this host can run VMs at all (``reason`` says why not). An agent whose runtime
-    cannot work claims nothing. ``warning``: what the checks warned about (e.g. unisolated
+    cannot work admits no VM. ``warning``: what the checks warned about (e.g. unisolated
     guests), shown with the verdict but gating nothing."""
 
     ok: bool = True
@@ -144,14 +146,6 @@ class VMObservation:
 
 
 @dataclass(frozen=True)
-class Claim:
-    """Bind the VM to this node: ``spec.nodeName`` and the agent finalizer, conditional on the
-    observed resourceVersion (409 when another agent was faster). ``size`` is then accounted."""
-
-    size: Resources
-
-
-@dataclass(frozen=True)
 class AddFinalizer:
     """Add the agent finalizer (conditional on the observed resourceVersion)."""
 
@@ -212,29 +206,17 @@ class Release:
     """Remove the agent finalizer (conditional on the observed resourceVersion)."""
 
 
-Step = (
-    Claim
-    | AddFinalizer
-    | PatchStatus
-    | Emit
-    | Prepare
-    | Start
-    | Stop
-    | KeepConsole
-    | Cleanup
-    | Release
-)
+Step = AddFinalizer | PatchStatus | Emit | Prepare | Start | Stop | KeepConsole | Cleanup | Release
 
 
 class Why(StrEnum):
     """Which rung of the ladder decided (for logs and tests)."""
 
     GONE = "gone"
-    NOT_CLAIMABLE = "not-claimable"
+    NOT_BOUND = "not-bound"
     CLASS_MISSING = "class-missing"
     PREFLIGHT_FAILED = "preflight-failed"
     NO_CAPACITY = "no-capacity"
-    CLAIM = "claim"
     OTHER_NODE = "other-node"
     DELETING = "deleting"
     FINISHED = "finished"
@@ -278,8 +260,8 @@ def next_steps(obs: VMObservation) -> VMSteps:
     vm = obs.vm
     if vm is None:
         return _gone(obs)
-    if not vm.node_name:
-        return _unbound(obs, vm)
+    if not vm.node_name:  # the operator places VMs; an agent never writes an unbound one
+        return VMSteps(Why.NOT_BOUND, forget=True)
     if vm.node_name != obs.node:
         return VMSteps(Why.OTHER_NODE, forget=True)
     if vm.deleting:
@@ -287,7 +269,7 @@ def next_steps(obs: VMObservation) -> VMSteps:
     if vm.phase in TERMINAL_PHASES:
         return _wind_down(obs, vm, Why.FINISHED)
     if AGENT_FINALIZER not in vm.finalizers:
-        return VMSteps(Why.ADOPT, (AddFinalizer(),), recheck_seconds=0)
+        return _admit(obs, vm)
     if vm.phase in NOT_STARTED:
         return _boot(obs, vm)
     return _started(obs, vm)
@@ -305,32 +287,35 @@ def _gone(obs: VMObservation) -> VMSteps:
     return VMSteps(Why.GONE, tuple(steps), forget=True)
 
 
-def _unbound(obs: VMObservation, vm: VM) -> VMSteps:
-    """Not bound to any node: refuse (missing class), wait (preflight, capacity) or claim."""
-    if vm.deleting or vm.phase in TERMINAL_PHASES:
-        return VMSteps(Why.NOT_CLAIMABLE, forget=True)
+def _admit(obs: VMObservation, vm: VM) -> VMSteps:
+    """Bound here (by the operator's placement) and not yet taken: take it, by adding the
+    finalizer, when this node can run it, as the kubelet admits a pod the scheduler bound. A
+    VM whose class does not exist waits (``ClassMissing``); on a host whose checks failed, or
+    without room for it (the operator's view of this node's capacity was behind), the VM fails
+    (``NodePreflightFailed``, ``OutOfCapacity``, like the kubelet's ``OutOfcpu``) and its pool
+    replaces it."""
+    if (
+        obs.runtime.status != "missing"
+    ):  # it runs here already: this agent's finalizer write was lost
+        return VMSteps(Why.ADOPT, (AddFinalizer(),), recheck_seconds=0)
     if obs.size is None:
-        return _refuse_class(obs, vm, "scheduled")
+        return _refuse_class(obs, vm, "booted")
     if not obs.preflight.ok:
-        return VMSteps(Why.PREFLIGHT_FAILED, forget=True)
+        message = f"node {obs.node} runs no VM: its host checks failed: {obs.preflight.reason}"
+        return _fail(obs, Why.PREFLIGHT_FAILED, "NodePreflightFailed", message)
     if not fits(obs.capacity, obs.used, obs.size):
-        return VMSteps(Why.NO_CAPACITY, forget=True)
-    status: dict[str, Any] = {
-        "phase": VMPhase.SCHEDULED,
-        "nodeName": obs.node,
-        "timings": {"scheduledAt": k8s_time(obs.now)},
-    }
-    status.update(_class_found(obs, vm))
-    steps: tuple[Step, ...] = (
-        Claim(obs.size),
-        PatchStatus(status),
-        Emit("Scheduled", f"bound to node {obs.node}"),
-    )
-    return VMSteps(Why.CLAIM, steps, recheck_seconds=0)
+        free_v = obs.capacity.vcpu - obs.used.vcpu
+        free_m = obs.capacity.memory_mib - obs.used.memory_mib
+        message = (
+            f"node {obs.node} has {free_v} vCPU, {free_m} MiB free; the VM needs "
+            f"{obs.size.vcpu} vCPU, {obs.size.memory_mib} MiB"
+        )
+        return _fail(obs, Why.NO_CAPACITY, "OutOfCapacity", message)
+    return VMSteps(Why.ADOPT, (AddFinalizer(),), recheck_seconds=0)
 
 
 def _refuse_class(obs: VMObservation, vm: VM, what: str) -> VMSteps:
-    """A VM whose class does not exist has no size: it is neither claimed nor booted. The
+    """A VM whose class does not exist has no size: it is not booted. The
     condition (and one Event) says which class is missing; when it appears, the class's watch
     brings the VM back."""
     current = vm.condition(CLASS_MISSING)

@@ -299,13 +299,13 @@ def main(
         if runtime_name not in ("qemu", "process"):  # a bad option: one line naming it, exit 2
             print(f"impvm agent: --runtime {runtime_name!r}: want qemu or process", file=sys.stderr)
             raise SystemExit(2) from None
-        # the runtime cannot work here: run anyway, claim nothing, say why on the Lease
+        # the runtime cannot work here: run anyway, admit no VM, say why on the Lease
         checks.append(Check(f"runtime {runtime_name}", False, str(exc), "see the checks above"))
         store = ImageStore(workdir / "images", image_cache_mib * 1024 * 1024, set())
         runtime = ProcessRuntime(store)
     preflight = doctor.verdict(checks)
     if not preflight.ok:
-        log.error("preflight failed, this agent claims no VMs: %s", preflight.reason)
+        log.error("preflight failed, this agent admits no VMs: %s", preflight.reason)
     config = AgentConfig(
         node_name=node_name,
         capacity=Resources(vcpu, memory_mib),

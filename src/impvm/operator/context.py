@@ -19,6 +19,7 @@ from impvm.kube.events import EventRecorder
 from impvm.operator.credentials import GitHubProvider
 from impvm.operator.poller import Pollers
 from impvm.operator.runners import RunnerDirectory
+from impvm.operator.scheduler import Scheduler
 from impvm.operator.sources import CachedSource, KubeSource
 from impvm.scaling.jobtable import JobTable, JobTables, PoolScope
 from impvm.scaling.mintbudget import MintBudget
@@ -113,6 +114,8 @@ class OperatorContext:
         )
         self.events = EventRecorder(kube, component="impvm-operator")
         self.sources: KubeSource = KubeSource(kube, self.settings.lease_namespace)
+        #: the placement of unbound ImpVMs (made with the caches it reads)
+        self.scheduler: Scheduler | None = None
         #: GitHub's runner registrations, one shared list per installation and scope
         self.runners = RunnerDirectory()
         #: each installation's JIT mint budget, shared by its pools
@@ -142,12 +145,22 @@ class OperatorContext:
             namespaces,
             on_vm=lambda ns, pool: self.wake_known(PoolKey(ns, pool)),
             on_template=lambda ns, name: self.wake_using(ns, name, None),
-            on_class=lambda _, name: self.wake_using(None, None, name),
+            on_class=self._class_changed,
             on_pool=lambda ns, name: self.wake_known(PoolKey(ns, name)),
             lease_namespace=self.settings.lease_namespace,
         )
         self.sources = cached
+        self.scheduler = Scheduler(
+            self.kube, cached, self.events, namespaces, leading=lambda: self.leading()
+        )
+        cached.on_lease = self.scheduler.wake
         return cached
+
+    def _class_changed(self, _: str, name: str) -> None:
+        """A class changed: the pools using it, and the placement (its size may fit now)."""
+        self.wake_using(None, None, name)
+        if self.scheduler is not None:
+            self.scheduler.wake()
 
     def pool(self, key: PoolKey | tuple[str, str]) -> PoolSlot:
         """The slot of one pool (made on first use)."""

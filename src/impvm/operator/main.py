@@ -2,12 +2,14 @@
 
 With leader election (the default) every replica serves HTTP at once (``/healthz``, metrics,
 the JIT config hand-out; a standby forwards webhook deliveries to the leader) but only the
-leader runs kopf (pool passes, mints, reaper, pool deletion). A replica that loses the Lease
+leader runs kopf (pool passes, mints, reaper, pool deletion) and the placement of unbound
+ImpVMs (:mod:`impvm.operator.scheduler`). A replica that loses the Lease
 exits at once (:mod:`impvm.operator.leader`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -41,6 +43,7 @@ async def run(
     elector: LeaderElector | None = None
     webhook: http.WebhookHandler = WebhookReceiver(ctx).handle
     gate: LeaderGate | None = None
+    placement: asyncio.Task[None] | None = None
     if settings.leader_elect:
         lease = settings.leader_lease_seconds
         elector = LeaderElector(
@@ -73,6 +76,8 @@ async def run(
         # pool passes read from watch caches: started (first lists under way) before kopf
         # starts the pools' daemons; a pass waits for the first lists it reads
         await ctx.use_caches(namespaces).start()
+        assert ctx.scheduler is not None
+        placement = asyncio.create_task(ctx.scheduler.run(), name="placement")
         work = asyncio.create_task(
             kopf.operator(
                 clusterwide=not namespaces,
@@ -95,6 +100,10 @@ async def run(
         hold.cancel()
         await work
     finally:
+        if placement is not None:
+            placement.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await placement
         if elector is not None:
             await elector.release()
         await runner.cleanup()

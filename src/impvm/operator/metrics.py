@@ -20,6 +20,9 @@ POOL_PENDING = Gauge(
     "impvm_pool_pending_jobs", "Queued jobs routed to a pool, no runner yet.", ["namespace", "pool"]
 )
 VMS_CREATED = Counter("impvm_vms_created_total", "ImpVMs created.", ["namespace", "pool"])
+BINDINGS = Counter(
+    "impvm_vm_bindings_total", "ImpVMs the operator bound to a node (spec.nodeName).", ["node"]
+)
 JIT_MINTS = Counter(
     "impvm_jit_mints_total",
     "JIT runner registrations minted, by result (ok, or the GitHub failure reason such as "

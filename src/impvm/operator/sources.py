@@ -42,8 +42,9 @@ Consistency (what makes a pass decided from caches as sound as one decided from 
   refuses the list, and says so in the log).
 
 Changes wake pools: a VM change its pool, a template or class edit the pools whose last pass used
-it, a pool edit that pool (``on_vm``, ``on_template``, ``on_class``, ``on_pool``). Changes that
-are this process's own writes wake nothing: the pass that wrote them asked for its next pass.
+it, a pool edit that pool (``on_vm``, ``on_template``, ``on_class``, ``on_pool``); a Lease
+change wakes the placement (``on_lease``, :mod:`impvm.operator.scheduler`). Changes that are this
+process's own writes wake nothing: the pass that wrote them asked for its next pass.
 """
 
 from __future__ import annotations
@@ -474,6 +475,7 @@ class CachedSource(KubeSource):
         on_template: Wake | None = None,
         on_class: Wake | None = None,
         on_pool: Wake | None = None,
+        on_lease: Wake | None = None,
         max_objects: dict[str, int] | None = None,
         lease_namespace: str = AGENT_LEASE_NAMESPACE,
     ) -> None:
@@ -490,6 +492,7 @@ class CachedSource(KubeSource):
             on_class,
             on_pool,
         )
+        self.on_lease = on_lease
         pool_label: Any = {POOL_LABEL: op.exists()}
         self.caches: dict[str, list[WatchCache[Any]]] = {}
 
@@ -537,6 +540,7 @@ class CachedSource(KubeSource):
                 namespace=lease_namespace,
                 labels=label,
                 max_objects=limits["leases"],
+                on_change=self._lease_changed,
                 name="agent leases",
             )
         ]
@@ -704,6 +708,21 @@ class CachedSource(KubeSource):
     def _pool_changed(self, key: Key) -> None:
         if self.on_pool is not None:
             self.on_pool(*key)
+
+    def _lease_changed(self, key: Key) -> None:
+        if self.on_lease is not None:
+            self.on_lease(*key)
+
+    def class_sizes(self) -> dict[str, tuple[int, int]]:
+        """Every cached ImpVMClass's size: name -> (vCPU, MiB) (empty before the first list;
+        a class without a valid size is left out)."""
+        out: dict[str, tuple[int, int]] = {}
+        for raw in self.caches["classes"][0].values():
+            spec = raw.get("spec") or {}
+            vcpu, mib = spec.get("vcpu"), spec.get("memoryMiB")
+            if isinstance(vcpu, int) and isinstance(mib, int):
+                out[str(raw["metadata"]["name"])] = (vcpu, mib)
+        return out
 
 
 def _pool_of(value: Any) -> str | None:

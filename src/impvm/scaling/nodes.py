@@ -11,6 +11,8 @@ from dataclasses import dataclass
 #: Lease annotations the agent writes (docs/architecture.md, agent Leases)
 VCPU, MEMORY_MIB = "imp.dev/vcpu", "imp.dev/memory-mib"
 VCPU_USED, MEMORY_MIB_USED = "imp.dev/vcpu-used", "imp.dev/memory-mib-used"
+#: ``ok`` or ``failed: <check>...`` (``impvm doctor``'s host checks, run at agent start)
+PREFLIGHT = "imp.dev/preflight"
 
 
 def _int(annotations: Mapping[str, str], key: str) -> int | None:
@@ -23,7 +25,8 @@ def _int(annotations: Mapping[str, str], key: str) -> int | None:
 @dataclass(frozen=True, slots=True)
 class NodeLease:
     """An agent's Lease: holder (node name), last renewal and duration (seconds), and the
-    capacity it advertises: offered and used vCPU and MiB (None: not advertised)."""
+    capacity it advertises: offered and used vCPU and MiB (None: not advertised), and whether
+    its host checks passed (an agent whose checks failed runs no VM; no annotation: passed)."""
 
     node: str
     renewed_at: dt.datetime | None
@@ -32,6 +35,7 @@ class NodeLease:
     memory_mib: int | None = None
     vcpu_used: int | None = None
     memory_mib_used: int | None = None
+    preflight_ok: bool = True
 
     @classmethod
     def parse(
@@ -50,6 +54,7 @@ class NodeLease:
             _int(annotations, MEMORY_MIB),
             _int(annotations, VCPU_USED),
             _int(annotations, MEMORY_MIB_USED),
+            not annotations.get(PREFLIGHT, "ok").startswith("failed"),
         )
 
     def live(self, now: dt.datetime) -> bool:

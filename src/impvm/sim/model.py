@@ -1,6 +1,6 @@
 """The world the deciders do not control, as seeded distributions (seconds).
 
-- ``boot``: time from a VM's creation to its runner online on GitHub (agent claim, image
+- ``boot``: time from a VM's creation to its runner online on GitHub (binding, image
   preparation, guest boot, runner start and registration). This is the time-to-ready the warm
   pool estimates.
 - ``assign``: GitHub's assignment delay: from the moment a queued job and an idle online runner

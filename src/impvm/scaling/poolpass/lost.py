@@ -20,8 +20,9 @@ __all__ = [
     "waiting_for_a_node",
 ]
 
-#: an unbound VM younger than this is not yet judged unschedulable: agents claim within a
-#: second, and the used capacity on their Leases is up to one renewal (10 s) old
+#: an unbound VM younger than this is not yet judged unschedulable: the operator binds within a
+#: second (:mod:`impvm.scaling.placement`), and the used capacity on the Leases this condition
+#: quotes is up to one renewal (10 s) old
 UNSCHEDULABLE_AFTER_SECONDS = 15.0
 
 
@@ -64,27 +65,27 @@ def lost_vms(
     return tuple(releases), tuple(patches)
 
 
-def _unclaimed_ages(world: PoolWorld) -> list[float]:
-    """Seconds since creation of each live VM no agent has claimed."""
-    unclaimed = (None, VMPhase.PENDING)
+def _unbound_ages(world: PoolWorld) -> list[float]:
+    """Seconds since creation of each live VM bound to no node."""
+    unbound = (None, VMPhase.PENDING)
     return [
         (world.now - v.created_at).total_seconds()
         for v in world.vms
-        if not v.spec.node_name and not v.deleting and v.status.phase in unclaimed
+        if not v.spec.node_name and not v.deleting and v.status.phase in unbound
     ]
 
 
 def unschedulable_due(world: PoolWorld) -> float | None:
-    """Seconds until the next VM no agent claimed becomes :data:`UNSCHEDULABLE_AFTER_SECONDS`
+    """Seconds until the next VM no node took becomes :data:`UNSCHEDULABLE_AFTER_SECONDS`
     old (None: no such VM)."""
-    waiting = [UNSCHEDULABLE_AFTER_SECONDS - a for a in _unclaimed_ages(world)]
+    waiting = [UNSCHEDULABLE_AFTER_SECONDS - a for a in _unbound_ages(world)]
     due = [d for d in waiting if d > 0]
     return max(0.1, min(due)) if due else None
 
 
 def waiting_for_a_node(world: PoolWorld) -> int:
-    """The pool's VMs that no agent has claimed for :data:`UNSCHEDULABLE_AFTER_SECONDS`."""
-    return sum(1 for a in _unclaimed_ages(world) if a >= UNSCHEDULABLE_AFTER_SECONDS)
+    """The pool's VMs bound to no node for :data:`UNSCHEDULABLE_AFTER_SECONDS`."""
+    return sum(1 for a in _unbound_ages(world) if a >= UNSCHEDULABLE_AFTER_SECONDS)
 
 
 def placement(world: PoolWorld, conds: ConditionSet, events: list[EventSpec]) -> None:
