@@ -22,12 +22,12 @@ product (no product code changes it):
 * the stand-in's records: the job's queue and start times, its request log (the poll that read
   the job's run, the JIT config minted for the VM), the runners (sampled every 50 ms: when the
   VM's runner went online);
-* the benchmark's own watch of the pool's ImpVMs (VM created, JIT Secret named on the VM, claimed
-  by the agent, each phase the agent reported);
+* the benchmark's own watch of the pool's ImpVMs (VM created, JIT Secret named on the VM, bound
+  to a node by the operator's placement, each phase the agent reported);
 * the VM's status port (``qemu``: the guest init's ``boot`` and ``runner-start`` reports in the
   agent's VM directory, sampled every 50 ms);
 * the operator's log (when it handed the JIT config to the agent: the agent's start step);
-* the API server's ``apiserver_request_total`` (ImpVM patches answered 409: claim conflicts);
+* the API server's ``apiserver_request_total`` (ImpVM writes answered 409: conflicts);
 * the poll cycle (the stand-in's run listings, grouped into polls).
 
 ``--tree PATH`` measures the same against another checkout (a git worktree of an older commit
@@ -129,7 +129,7 @@ class Tracer:
                     if spec.get("runnerConfigSecret"):
                         self.mark(name, "secret", now)
                     if spec.get("nodeName"):
-                        self.mark(name, "claimed", now)
+                        self.mark(name, "bound", now)
                     if st.get("phase"):
                         self.mark(name, "phase:" + st["phase"], now)
                     if (st.get("runner") or {}).get("id"):
@@ -153,7 +153,7 @@ class Tracer:
                     if r.status == "online":
                         self.online.setdefault(r.name, now)
             for name, marks in list(self.vm.items()):
-                if "runner-start" in marks or "gone" in marks or "claimed" not in marks:
+                if "runner-start" in marks or "gone" in marks or "bound" not in marks:
                     continue
                 uid = self.uid.get(name, "")[:8]
                 status = self.agent_dir / "vms" / f"default.{name}.{uid}" / "status.log"
@@ -236,7 +236,7 @@ TIMELINE = (
     ("seen", "VM created"),
     ("jit", "JIT config minted"),
     ("secret", "JIT Secret named on the VM"),
-    ("claimed", "agent claimed the VM"),
+    ("bound", "operator bound the VM to a node"),
     ("phase:Scheduled", "agent reported Scheduled"),
     ("handout", "JIT config handed to the agent (start step)"),
     ("phase:Starting", "agent reported Starting (runtime launched)"),
@@ -389,7 +389,7 @@ class Measure:
             "min": round(min(samples), 3),
             "max": round(max(samples), 3),
             "samples": [round(x, 3) for x in samples],
-            "claim_conflicts": await impvm_conflicts(s) - c0,
+            "conflicts": await impvm_conflicts(s) - c0,
             "poll_interval_p50": round(statistics.median(gaps), 2) if gaps else None,
             "poll_intervals": [round(g, 2) for g in gaps],
             "load": os.getloadavg(),
@@ -476,7 +476,7 @@ def breakdown(r: dict[str, Any]) -> str:
         )
     rows.append(
         f"  VMs created per job: {collections.Counter(r.get('vms_per_job') or [])}; ImpVM "
-        f"writes answered 409 (claim conflicts): {r['claim_conflicts']}"
+        f"writes answered 409 (conflicts): {r['conflicts']}"
     )
     return "\n".join(rows)
 
