@@ -310,7 +310,7 @@ def agent(
         ),
     ] = Path("/var/run/secrets/impvm/token"),
 ) -> None:
-    """Run the node agent: claim ImpVMs for this node and run them."""
+    """Run the node agent: run the ImpVMs the operator bound to this node."""
     import os
 
     from impvm.agent.main import default_node_name, host_memory_mib

@@ -280,6 +280,13 @@ def test_an_agent_of_node_a_cannot_touch_what_is_not_its_nodes(
             lease_body(f"impvm-agent-{a}", b), field_manager="impvm-agent", force=True
         ),
     )
+    eternal = lease_body(f"impvm-agent-{a}", a)
+    assert eternal.spec is not None
+    eternal.spec.leaseDurationSeconds = 10**8  # alive for three years on one renewal
+    attack(
+        "renew its own Lease for years",
+        lambda: agent.apply(eternal, field_manager="impvm-agent", force=True),
+    )
     # ImpVM specs: its own VM's and node B's
     for vm in (mine, theirs):
         attack(
@@ -347,6 +354,7 @@ def test_an_agent_of_node_a_cannot_touch_what_is_not_its_nodes(
     assert "not impvm-operator" in messages["stop the leader"]
     assert f"not impvm-agent-{b}" in messages["renew node B's Lease"]
     assert "held by that node" in messages["hold its own Lease as node B"]
+    assert "at most 300 s" in messages["renew its own Lease for years"]
     assert "an agent changes no field of an ImpVM's spec" in messages[f"image of {mine}"]
     for what in ("claim an unbound VM", "claim without the finalizer", "claim with another image"):
         assert "the operator binds VMs" in messages[what], what

@@ -145,6 +145,9 @@ async def test_vms_are_bound_within_the_room_each_lease_offers_and_shared_by_nam
         got = await nodes_of(akube, nss)
         bound = {k: n for k, n in got.items() if n}
         assert sorted(bound.values()) == ["node-a", "node-a", "node-b", "node-b"]
+        for ns, name in bound:  # bound at the class's size, which the node counts and starts
+            raw = (await akube.get(ImpVMResource, name, namespace=ns)).to_dict()
+            assert raw["metadata"]["annotations"]["imp.dev/bound-size"] == "1,1024"
         # one namespace in turn: the two VMs of the quiet namespace are not behind six others
         assert {k for k in bound if k[0] == other_namespace} == {
             (other_namespace, "few-0"),

@@ -6,7 +6,14 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from impvm.scaling.nodes import NodeLease, lost_nodes, node_lost, unschedulable
+from impvm.scaling.nodes import (
+    MAX_CLOCK_SKEW_SECONDS,
+    MAX_LEASE_SECONDS,
+    NodeLease,
+    lost_nodes,
+    node_lost,
+    unschedulable,
+)
 
 NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 
@@ -65,8 +72,15 @@ def test_schedulable_when_one_node_has_room_or_nothing_waits() -> None:
     leases = [full("node-a", 4, 8192, 4, 0), full("node-b", 4, 8192, 2, 6144)]
     assert unschedulable(leases, NOW, 1, 2, 2048) is None
     assert unschedulable([full("node-a", 1, 1, 1, 1)], NOW, 0, 2, 2048) is None
-    # a Lease that advertises no capacity may have room: not judged
-    assert unschedulable([NodeLease("old", ago(1), 40)], NOW, 1, 64, 1 << 20) is None
+    # a Lease that advertises no capacity, or whose host checks failed, offers nothing: the
+    # placement binds nothing there, and the condition says so
+    for offers_nothing in (
+        NodeLease("old", ago(1), 40),
+        NodeLease("sick", ago(1), 40, 8, 8192, 0, 0, preflight_ok=False),
+    ):
+        verdict = unschedulable([offers_nothing], NOW, 1, 1, 1)
+        assert verdict is not None and verdict.reason == "NoAgents", offers_nothing
+        assert "host checks failed or no capacity" in verdict.message
 
 
 def test_no_live_agent() -> None:
@@ -98,3 +112,14 @@ def test_unschedulable_exactly_when_no_live_node_fits(
     leases = [full(f"n{i}", c, m, uc, um) for i, (c, uc, m, um) in enumerate(nodes)]
     fits = any(c - uc >= vcpu and m - um >= mem for c, uc, m, um in nodes)
     assert (unschedulable(leases, NOW, 1, vcpu, mem) is None) == fits
+
+
+def test_a_lease_dated_ahead_or_lasting_years_is_not_believed() -> None:
+    """A node cannot stay alive on one write: a renewal beyond the clock skew is no renewal,
+    and a duration over the most believed counts as that most."""
+    ahead = NodeLease("ahead", NOW + dt.timedelta(days=365 * 5), 40, 8, 8192)
+    eternal = NodeLease("eternal", ago(MAX_LEASE_SECONDS + 60), 10**9, 8, 8192)
+    skew = dt.timedelta(seconds=MAX_CLOCK_SKEW_SECONDS - 1)
+    skewed = NodeLease("skewed", NOW + skew, 40, 8, 8192)
+    assert not ahead.live(NOW) and not eternal.live(NOW) and skewed.live(NOW)
+    assert lost_nodes([ahead, eternal, skewed], NOW, 0) == {"ahead", "eternal"}

@@ -5,12 +5,13 @@ capacity gets its share and no more, and one namespace's queue never holds back 
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from impvm.api.models import AGENT_FINALIZER
+from impvm.api.models import AGENT_FINALIZER, BOUND_SIZE_ANNOTATION
 from impvm.api.vm import VM
 from impvm.scaling.nodes import NodeLease
 from impvm.scaling.placement import place, rooms, uses_capacity
@@ -45,6 +46,7 @@ def vm(
     deleting: bool = False,
     phase: str | None = None,
     name: str | None = None,
+    bound_size: str | None = None,
 ) -> VM:
     global _n
     _n += 1
@@ -58,6 +60,8 @@ def vm(
     }
     if deleting:
         meta["deletionTimestamp"] = meta["creationTimestamp"]
+    if bound_size is not None:
+        meta["annotations"] = {BOUND_SIZE_ANNOTATION: bound_size}
     spec: dict[str, Any] = {"classRef": {"name": cls}, "image": "reg/base@sha256:" + "0" * 64}
     if node is not None:
         spec["nodeName"] = node
@@ -83,6 +87,35 @@ def test_a_node_that_overstates_its_capacity_gets_its_share_not_all() -> None:
     got = place(leases, NOW, [vm(created=i) for i in range(6)], SIZES)
     by_node = [b.node for b in got]
     assert by_node.count("liar") == 3 and by_node.count("honest") == 3
+
+
+def test_a_node_that_ends_its_vms_at_once_gets_its_turn_not_every_vm() -> None:
+    """A compromised node may fail its VMs and drop its finalizer at once to look empty; the
+    spreading goes by the bindings each node was given lately, so it gets a quarter, as each
+    honest node whose VMs run for ten rounds does."""
+    leases = [lease(n, 8, 16384) for n in ("evil", "h1", "h2", "h3")]
+    live: list[tuple[int, VM]] = []  # (round bound, VM) on honest nodes
+    recent: Counter[str] = Counter()
+    for round_ in range(40):
+        live = [(r, v) for r, v in live if round_ - r < 10]
+        (b,) = place(leases, NOW, [v for _, v in live] + [vm(created=0)], SIZES, recent)
+        recent[b.node] += 1
+        if b.node != "evil":  # honest VMs hold their room; the evil node's are gone at once
+            live.append((round_, vm(node=b.node, finalizer=True, phase="Running")))
+    assert recent["evil"] == 10, recent
+
+
+def test_a_bound_vm_counts_at_the_size_it_was_bound_with() -> None:
+    """The class was resized or deleted after the binding: the VM still counts at its bound
+    size (the agent started it at that size)."""
+    leases = [lease("a", 4, 8192)]
+    shrunk = {"small": (1, 1024), "big": (1, 1024)}  # "big" was 4 vCPU when it was bound
+    held = vm(node="a", cls="big", finalizer=True, phase="Running", bound_size="4,8192")
+    assert place(leases, NOW, [held, vm()], shrunk) == ()
+    orphan = vm(node="a", cls="gone", finalizer=True, phase="Running", bound_size="4,8192")
+    assert place(leases, NOW, [orphan, vm()], SIZES) == ()
+    (b,) = place(leases, NOW, [vm(cls="big")], SIZES)
+    assert b.size == (4, 8192)  # the size the binding writes
 
 
 def test_bound_vms_count_until_their_agent_releases_them() -> None:

@@ -121,6 +121,16 @@ class _Local:
     size: Resources | None = None
 
 
+def _size(vm: VM, spec: ImpVMClassSpec | None) -> Resources | None:
+    """The size a VM runs at: the one the operator bound it with (annotation
+    ``imp.dev/bound-size``), else its class's; None while its class is missing (a VM is never
+    started without its class, whose network policy it needs)."""
+    if spec is None:
+        return None
+    bound = vm.bound_size
+    return Resources(*bound) if bound is not None else Resources(spec.vcpu, spec.memory_mib)
+
+
 def _parse_class(raw: dict[str, Any]) -> ImpVMClassSpec:
     return ImpVMClass.model_validate(raw).spec
 
@@ -334,7 +344,7 @@ class Agent:
         local = self._local.setdefault(key, _Local())
         node = self.config.node_name
         spec = self.classes.get(("", vm.class_name)) if vm is not None else None
-        size = Resources(spec.vcpu, spec.memory_mib) if spec is not None else None
+        size = _size(vm, spec) if vm is not None else None
         if size is not None:
             local.size = size
         req = local.request
@@ -374,12 +384,14 @@ class Agent:
         for vm in self.mine.values():
             if vm.key == exclude or not vm.holds_capacity(self.config.node_name):
                 continue
-            spec = self.classes.get(("", vm.class_name))
             local = self._local.get(vm.key)
-            if spec is not None:
-                sizes.append(Resources(spec.vcpu, spec.memory_mib))
-            elif local is not None and local.size is not None:
-                sizes.append(local.size)
+            size = _size(vm, self.classes.get(("", vm.class_name)))
+            if vm.bound_size is not None:
+                size = Resources(*vm.bound_size)  # counted even once its class is gone
+            if size is None and local is not None:
+                size = local.size
+            if size is not None:
+                sizes.append(size)
         return total(sizes)
 
     async def _execute(

@@ -11,7 +11,7 @@ what to install or fix (the Debian package, the device, the setting).
   sandbox runs ``true``).
 
 :func:`verdict` (pure) turns the checks into the agent's :class:`~impvm.agent.lifecycle.
-Preflight`: an agent whose runtime cannot work claims no VMs, and its Lease says why
+Preflight`: an agent whose runtime cannot work admits no VMs, and its Lease says why
 (annotation ``imp.dev/preflight``).
 """
 

@@ -17,8 +17,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 POOL_LABEL = "imp.dev/runner-pool"
 #: Annotation on a pool holding an external demand signal (an integer).
 DEMAND_ANNOTATION = "imp.dev/runner-demand"
-#: Finalizer a node agent puts on a VM it claimed; released once the VM's runtime is cleaned up
-#: (or by the operator when the VM's node is lost).
+#: Finalizer a node agent puts on a VM bound to its node when it admits it; released once the
+#: VM's runtime is cleaned up (or by the operator when the VM's node is lost).
 AGENT_FINALIZER = "imp.dev/agent"
 #: Namespace of the agents' Leases (liveness and capacity) and of the operator's leader Lease:
 #: the release namespace. The operator reads agent Leases here only (a Lease in any other
@@ -32,6 +32,11 @@ AGENT_LEASE_LABEL = ("app.kubernetes.io/name", "impvm-agent")
 #: and its size, deadline). A VM whose hash differs from the pool's current one is outdated and
 #: is replaced while idle (like ARC's ``ephemeralRunnerSetIntegrityHash``).
 TEMPLATE_HASH_ANNOTATION = "imp.dev/template-hash"
+#: Annotation the operator writes with ``spec.nodeName`` when it binds a VM: the size it bound
+#: (``<vCPU>,<MiB>``). The node counts and starts the VM at that size, so a class resized or
+#: deleted later changes neither side's count (like a pod's resources, fixed when scheduled).
+#: Tenants cannot write ImpVMs and agents no annotation (deploy/admission/agent.yaml).
+BOUND_SIZE_ANNOTATION = "imp.dev/bound-size"
 #: Longest pool name: it is the value of the ``imp.dev/runner-pool`` label (Kubernetes caps
 #: label values at 63 characters).
 MAX_POOL_NAME = 63

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from impvm.api.models import (
     AGENT_FINALIZER,
+    BOUND_SIZE_ANNOTATION,
     POOL_LABEL,
     TEMPLATE_HASH_ANNOTATION,
     TERMINAL_PHASES,
@@ -199,6 +200,16 @@ class VM:
         """GitHub was seen to list its runner online or busy (as recorded on the VM)."""
         r, t = self.status.runner, self.status.timings
         return bool(r and (r.online or r.busy)) or bool(t and t.runner_online_at)
+
+    @property
+    def bound_size(self) -> tuple[int, int] | None:
+        """The (vCPU, MiB) the operator bound it with (annotation ``imp.dev/bound-size``);
+        None when it carries none or a malformed one."""
+        raw = self.annotations.get(BOUND_SIZE_ANNOTATION, "")
+        vcpu, _, mib = raw.partition(",")
+        if not (vcpu.isdigit() and mib.isdigit()):
+            return None
+        return int(vcpu), int(mib)
 
     def holds_capacity(self, node: str) -> bool:
         """Whether it counts against ``node``'s capacity: bound there and not yet released

@@ -110,7 +110,7 @@ class VMTimings(ApiModel):
     deletion is the histogram ``impvm_vm_lifetime_seconds`` (the object is gone)."""
 
     created_at: datetime | None = Field(default=None, description="The ImpVM was created.")
-    scheduled_at: datetime | None = Field(default=None, description="An agent claimed it.")
+    scheduled_at: datetime | None = Field(default=None, description="Its node's agent admitted it.")
     booted_at: datetime | None = Field(default=None, description="Its runner process runs.")
     runner_online_at: datetime | None = Field(
         default=None,

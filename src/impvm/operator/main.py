@@ -87,10 +87,13 @@ async def run(
             )
         )
         if elector is None:
+            await asyncio.wait({work, placement}, return_when=asyncio.FIRST_COMPLETED)
+            _placement_ended(placement)
             await work
             return
         hold = asyncio.create_task(elector.hold())
-        await asyncio.wait({work, hold}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({work, hold, placement}, return_when=asyncio.FIRST_COMPLETED)
+        _placement_ended(placement)
         if hold.done():
             # Stop all work at once, as kube-controller-manager does: a new leader may start
             # any moment now. Mints are fenced already (ctx.leading is False).
@@ -111,6 +114,18 @@ async def run(
             await gate.close()
         await ctx.close()
         await kube.close()
+
+
+def _placement_ended(placement: asyncio.Task[None]) -> None:
+    """A placement loop that ended (it never returns; a failure it could not survive) would
+    leave a leader that binds nothing: exit, as on a lost Lease, so a replica that can place
+    takes over (the process supervisor restarts this one)."""
+    if not placement.done():
+        return
+    exc = None if placement.cancelled() else placement.exception()
+    log.error("the placement of ImpVMs ended (%r): exiting", exc)
+    logging.shutdown()
+    os._exit(1)
 
 
 def main(namespaces: list[str], http_host: str, http_port: int, settings: OperatorSettings) -> None:

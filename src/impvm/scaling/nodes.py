@@ -13,6 +13,12 @@ VCPU, MEMORY_MIB = "imp.dev/vcpu", "imp.dev/memory-mib"
 VCPU_USED, MEMORY_MIB_USED = "imp.dev/vcpu-used", "imp.dev/memory-mib-used"
 #: ``ok`` or ``failed: <check>...`` (``impvm doctor``'s host checks, run at agent start)
 PREFLIGHT = "imp.dev/preflight"
+#: The longest Lease duration believed (s): a node's Lease claiming more is judged by this, so
+#: a node cannot stay alive for years on one renewal (the agent's default is 40 s).
+MAX_LEASE_SECONDS = 300
+#: How far in the future a renewal may lie (s, clock skew between node and operator): one
+#: further ahead is not believed, so a node cannot stay alive by dating its renewal forward.
+MAX_CLOCK_SKEW_SECONDS = 60
 
 
 def _int(annotations: Mapping[str, str], key: str) -> int | None:
@@ -57,11 +63,28 @@ class NodeLease:
             not annotations.get(PREFLIGHT, "ok").startswith("failed"),
         )
 
+    def age(self, now: dt.datetime) -> float | None:
+        """Seconds since its renewal; None when never renewed or renewed further in the
+        future than :data:`MAX_CLOCK_SKEW_SECONDS` (not believed)."""
+        if self.renewed_at is None:
+            return None
+        age = (now - self.renewed_at).total_seconds()
+        return None if age < -MAX_CLOCK_SKEW_SECONDS else age
+
+    @property
+    def duration(self) -> int:
+        """Its duration, at most :data:`MAX_LEASE_SECONDS`."""
+        return min(self.duration_seconds, MAX_LEASE_SECONDS)
+
     def live(self, now: dt.datetime) -> bool:
-        """Renewed within its duration."""
-        return self.renewed_at is not None and (
-            (now - self.renewed_at).total_seconds() <= self.duration_seconds
-        )
+        """Renewed within its duration (both as believed: see :meth:`age`, :attr:`duration`)."""
+        age = self.age(now)
+        return age is not None and age <= self.duration
+
+    def offers(self, now: dt.datetime) -> bool:
+        """Whether VMs may be placed on its node: live, host checks passed, capacity
+        advertised (:mod:`impvm.scaling.placement` places only there)."""
+        return self.live(now) and self.preflight_ok and self.free() is not None
 
     def free(self) -> tuple[int, int] | None:
         """Free (vCPU, MiB), or None when the Lease does not say."""
@@ -83,19 +106,26 @@ def unschedulable(
     leases: list[NodeLease], now: dt.datetime, waiting: int, vcpu: int, memory_mib: int
 ) -> Unschedulable | None:
     """Whether ``waiting`` unbound VMs, each needing ``vcpu`` vCPU and ``memory_mib`` MiB, can
-    be placed on no live agent (like the scheduler's ``FailedScheduling`` for pods, which names
-    the free and requested resources). None when nothing waits or some live node has room (or
-    does not advertise its capacity). Pure."""
+    be placed on no node (like the scheduler's ``FailedScheduling`` for pods, which names the
+    free and requested resources). Only nodes the placement uses count (:meth:`NodeLease.offers`:
+    live, host checks passed, capacity advertised); free capacity is what their Leases say. None
+    when nothing waits or some such node has room. Pure."""
     if waiting <= 0:
         return None
     need = f"{waiting} VM(s) wait for a node: each needs {vcpu} vCPU, {memory_mib} MiB"
     live = sorted((le for le in leases if le.live(now)), key=lambda le: le.node)
     if not live:
         return Unschedulable("NoAgents", waiting, f"{need}; no agent is running")
+    offering = [le for le in live if le.offers(now)]
+    if not offering:
+        names = ", ".join(le.node for le in live)[:400]
+        text = f"{need}; no agent offers room ({names}: host checks failed or no capacity)"
+        return Unschedulable("NoAgents", waiting, text)
     frees: list[str] = []
-    for le in live:
+    for le in offering:
         free = le.free()
-        if free is None or (free[0] >= vcpu and free[1] >= memory_mib):
+        assert free is not None  # offers() checked it
+        if free[0] >= vcpu and free[1] >= memory_mib:
             return None
         frees.append(f"{le.node} {free[0]}/{le.vcpu} vCPU, {free[1]}/{le.memory_mib} MiB free")
     return Unschedulable("InsufficientCapacity", waiting, f"{need}; " + "; ".join(frees)[:800])
@@ -109,9 +139,8 @@ def lost_nodes(leases: list[NodeLease], now: dt.datetime, grace_seconds: float) 
     it."""
     expired: dict[str, bool] = {}
     for lease in leases:
-        dead = lease.renewed_at is None or (
-            (now - lease.renewed_at).total_seconds() > lease.duration_seconds + grace_seconds
-        )
+        age = lease.age(now)  # None: never renewed, or dated beyond the clock skew
+        dead = age is None or age > lease.duration + grace_seconds
         expired[lease.node] = expired.get(lease.node, True) and dead
     return {node for node, dead in expired.items() if dead}
 

@@ -8,15 +8,21 @@ node; the API server refuses an agent any write to an unbound VM (deploy/admissi
 The decision (:func:`place`) is pure: from the agents' Leases, every VM the operator sees and
 the size of each class, which unbound VMs go to which node. The rules:
 
-- a node is a candidate while its agent's Lease is live, its host checks passed
-  (``imp.dev/preflight``) and it advertises its capacity (``imp.dev/vcpu``,
+- a node is a candidate while its agent's Lease is live (as believed: a renewal dated beyond
+  the clock skew or a duration over five minutes is not, :mod:`impvm.scaling.nodes`), its host
+  checks passed (``imp.dev/preflight``) and it advertises its capacity (``imp.dev/vcpu``,
   ``imp.dev/memory-mib``);
 - a node's use is counted from the VMs bound to it that hold capacity (not yet released by
-  their agent, or bound and not yet finished): the operator's own view, current to its last
-  write, not the Lease's ``*-used`` values, which are up to one renewal old;
-- a VM goes to the candidate with room for its class (both dimensions) that runs the fewest
-  VMs, then the most free memory, then by name (kube-scheduler's ``LeastAllocated`` spreads
-  the same way); a node that overstates its capacity gets its share of VMs, not all of them;
+  their agent, or bound and not yet finished), each at the size it was bound with (annotation
+  ``imp.dev/bound-size``; before that, its class's): the operator's own view, current to its
+  last write, not the Lease's ``*-used`` values, which are up to one renewal old and written by
+  the node;
+- a VM goes to the candidate with room for it (both dimensions) that was given the fewest VMs
+  lately (``recent``: bindings in the shell's window), then runs the fewest, then by name.
+  Neither what a node advertises nor what it reports decides where VMs go, only whether they
+  fit: a node that overstates its capacity, or that ends its VMs at once to look empty, gets
+  its turn like every other node, not all the VMs (kube-scheduler spreads with
+  ``LeastAllocated``; its scores also read what nodes report, which a hostile node controls);
 - waiting VMs are taken one per namespace in turn, each namespace oldest first, so a
   namespace with many waiting VMs never holds back another's (fair queuing across tenants);
 - a VM whose class is unknown, or that fits on no candidate, stays unbound: the pool's
@@ -27,33 +33,39 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from impvm.api.models import AGENT_FINALIZER
 from impvm.api.vm import VM
 from impvm.scaling.nodes import NodeLease
 
-__all__ = ["Binding", "NodeRoom", "place", "rooms", "uses_capacity"]
+__all__ = ["Binding", "NodeRoom", "place", "rooms", "size_of", "uses_capacity"]
 
 
 @dataclass(frozen=True, slots=True)
 class Binding:
-    """Bind ImpVM ``namespace``/``name`` to ``node``, if it still has ``resource_version``."""
+    """Bind ImpVM ``namespace``/``name`` to ``node`` (``resource_version``: the version it was
+    decided on, for logs and tests; the write is not conditional on it, see
+    :mod:`impvm.operator.scheduler`)."""
 
     namespace: str
     name: str
     resource_version: str
     node: str
+    #: the size it is bound with (vCPU, MiB): written as annotation ``imp.dev/bound-size``
+    size: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True, slots=True)
 class NodeRoom:
-    """A candidate node: its free vCPU and MiB and how many VMs it runs."""
+    """A candidate node: its free vCPU and MiB, how many VMs it runs and how many it was
+    given lately."""
 
     node: str
     vcpu: int
     memory_mib: int
     vms: int
+    recent: int = 0
 
     def fits(self, vcpu: int, memory_mib: int) -> bool:
         """Whether a VM of ``vcpu`` vCPU and ``memory_mib`` MiB fits."""
@@ -61,7 +73,9 @@ class NodeRoom:
 
     def take(self, vcpu: int, memory_mib: int) -> NodeRoom:
         """The room left after one more VM of that size."""
-        return NodeRoom(self.node, self.vcpu - vcpu, self.memory_mib - memory_mib, self.vms + 1)
+        return NodeRoom(
+            self.node, self.vcpu - vcpu, self.memory_mib - memory_mib, self.vms + 1, self.recent
+        )
 
 
 def uses_capacity(vm: VM) -> bool:
@@ -73,23 +87,32 @@ def uses_capacity(vm: VM) -> bool:
     return AGENT_FINALIZER in vm.finalizers or not (vm.deleting or vm.is_terminal)
 
 
+def size_of(vm: VM, sizes: Mapping[str, tuple[int, int]]) -> tuple[int, int] | None:
+    """The (vCPU, MiB) a VM counts as: the size it was bound with, else its class's (None:
+    neither is known)."""
+    return vm.bound_size or sizes.get(vm.class_name)
+
+
 def rooms(
     leases: Sequence[NodeLease],
     now: dt.datetime,
     vms: Sequence[VM],
     sizes: Mapping[str, tuple[int, int]],
+    recent: Mapping[str, int] | None = None,
 ) -> dict[str, NodeRoom]:
     """The candidate nodes by name with what is free on each. ``sizes``: class name ->
-    (vCPU, MiB); a bound VM of an unknown class counts as a VM of size 0."""
-    offered: dict[str, tuple[int, int]] = {}
+    (vCPU, MiB); a bound VM of no known size counts as size 0 (it was bound before this
+    annotation existed and its class is gone: its agent, which admitted it at its size, still
+    counts it and refuses what does not fit). ``recent``: node -> VMs bound there lately."""
+    recent = recent or {}
+    out: dict[str, NodeRoom] = {}
     for le in leases:
-        if le.live(now) and le.preflight_ok and le.vcpu is not None and le.memory_mib is not None:
-            offered[le.node] = (le.vcpu, le.memory_mib)
-    out = {node: NodeRoom(node, v, m, 0) for node, (v, m) in offered.items()}
+        if le.offers(now) and le.vcpu is not None and le.memory_mib is not None:
+            out[le.node] = NodeRoom(le.node, le.vcpu, le.memory_mib, 0, recent.get(le.node, 0))
     for vm in vms:
         node = vm.node_name
         if node in out and uses_capacity(vm):
-            v, m = sizes.get(vm.class_name, (0, 0))
+            v, m = size_of(vm, sizes) or (0, 0)
             out[node] = out[node].take(v, m)
     return out
 
@@ -116,17 +139,19 @@ def place(
     now: dt.datetime,
     vms: Sequence[VM],
     sizes: Mapping[str, tuple[int, int]],
+    recent: Mapping[str, int] | None = None,
 ) -> tuple[Binding, ...]:
     """The bindings for the unbound VMs among ``vms`` (see the module docstring for the
-    rules). No node is given more than it has free, counting every binding returned."""
-    free = rooms(leases, now, vms, sizes)
+    rules). No node is given more than it has free, counting every binding returned.
+    ``recent``: node -> VMs bound there within the shell's window."""
+    free = rooms(leases, now, vms, sizes, recent)
     out: list[Binding] = []
     for vm in _waiting(vms, sizes):
-        v, m = sizes[vm.class_name]
+        v, m = size_of(vm, sizes) or sizes[vm.class_name]
         fit = [r for r in free.values() if r.fits(v, m)]
         if not fit:
             continue
-        best = min(fit, key=lambda r: (r.vms, -r.memory_mib, r.node))
-        free[best.node] = best.take(v, m)
-        out.append(Binding(vm.namespace, vm.name, vm.resource_version, best.node))
+        best = min(fit, key=lambda r: (r.recent, r.vms, r.node))
+        free[best.node] = replace(best.take(v, m), recent=best.recent + 1)
+        out.append(Binding(vm.namespace, vm.name, vm.resource_version, best.node, (v, m)))
     return tuple(out)

@@ -6,7 +6,7 @@ of it (:mod:`impvm.operator.runners`). Reading it on every pass of every pool is
 idle fleet call GitHub hundreds of times a minute; the rules here say when an older list is as
 good as a new one:
 
-* a pool with a VM an agent claimed whose runner GitHub has not yet reported online or busy,
+* a pool with a VM bound to a node whose runner GitHub has not yet reported online or busy,
   and that is younger
   than ``runner_wait_fresh_seconds``, accepts a list at most ``awaiting_runner_list_seconds``
   old (concurrent passes of the installation's pools share it; otherwise each pass reads a new
@@ -39,10 +39,10 @@ from impvm.scaling.settings import PassSettings
 
 
 def awaits_runner(vm: VM) -> bool:
-    """An agent claimed the VM (bound to a node, or a phase past ``Pending``), it is alive, and
-    its recorded runner was never seen online or busy (a job recorded from a webhook does not
-    count: GitHub's list must still show the runner up once). A VM no agent has claimed cannot
-    bring a runner online; its claim changes the VM, which wakes the pool."""
+    """The VM is bound to a node (or in a phase past ``Pending``), it is alive, and its recorded
+    runner was never seen online or busy (a job recorded from a webhook does not count:
+    GitHub's list must still show the runner up once). A VM bound to no node cannot bring a
+    runner online; its binding changes the VM, which wakes the pool."""
     s = vm.status
     if vm.deleting or vm.is_terminal:
         return False
