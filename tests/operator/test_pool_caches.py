@@ -26,8 +26,9 @@ from impvm.devstack.stack import REPO, example_scaling, pool_manifest
 from impvm.devstack.standin.state import Failure
 from impvm.github import Scope
 from impvm.github.errors import GitHubError
+from impvm.operator.named import SECRET_VALUE_MAX_BYTES
 from impvm.operator.pool import PoolReconciler
-from impvm.operator.sources import SECRET_VALUE_MAX_BYTES, CachedSource
+from impvm.operator.sources import CachedSource
 from impvm.scaling.poolpass import PoolObj
 from tests.operator.conftest import POOL, TEMPLATE, PoolEnv
 from tests.operator.test_pool_controller import wait_until

@@ -17,10 +17,11 @@ from impvm.api.times import Clock, as_clock
 from impvm.github import GitHubClient, RetryPolicy
 from impvm.kube.events import EventRecorder
 from impvm.operator.credentials import GitHubProvider
+from impvm.operator.kubesource import KubeSource
 from impvm.operator.poller import Pollers
 from impvm.operator.runners import RunnerDirectory
 from impvm.operator.scheduler import Scheduler
-from impvm.operator.sources import CachedSource, KubeSource
+from impvm.operator.sources import CachedSource
 from impvm.scaling.jobtable import JobTable, JobTables, PoolScope
 from impvm.scaling.mintbudget import MintBudget
 from impvm.scaling.poolpass import PoolMemory

@@ -38,8 +38,8 @@ from impvm.github.errors import (
 )
 from impvm.kube.events import EventRecorder
 from impvm.operator.credentials import scope_of
+from impvm.operator.kubesource import KubeSource
 from impvm.operator.runners import RunnerDirectory
-from impvm.operator.sources import KubeSource
 from impvm.scaling.poolpass import (
     Deleted,
     DeleteVM,

@@ -58,8 +58,8 @@ from impvm.github.errors import (
 from impvm.kube.events import EventRecorder
 from impvm.operator.context import OperatorContext
 from impvm.operator.execute import Executor
+from impvm.operator.kubesource import KubeSource
 from impvm.operator.metrics import REAPER_DECISIONS
-from impvm.operator.sources import KubeSource
 from impvm.reaper import (
     CONDITION_TYPE,
     Answer,

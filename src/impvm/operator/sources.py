@@ -53,21 +53,18 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from lightkube import AsyncClient
 from lightkube import operators as op
-from lightkube.core.exceptions import ApiError
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import Namespace, Secret
+from lightkube.resources.core_v1 import Secret
 
 from impvm.api.models import (
     AGENT_LEASE_LABEL,
     AGENT_LEASE_NAMESPACE,
-    AGENT_LEASE_PREFIX,
     POOL_LABEL,
 )
 from impvm.api.resources import (
@@ -76,10 +73,12 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.api.times import parse_time
 from impvm.api.vm import VM
+from impvm.kube.store import GroupIndex
 from impvm.kube.watchcache import Key, WatchCache, key_of
+from impvm.operator.kubesource import KubeSource, lease_of, parse_vm
 from impvm.operator.metrics import VM_LIFETIME
+from impvm.operator.named import SYNC_TIMEOUT_SECONDS, named_namespaces, named_secrets
 from impvm.scaling.nodes import NodeLease
 from impvm.scaling.poolpass.world import PoolObj
 
@@ -97,121 +96,6 @@ MAX_OBJECTS = {
 }
 #: The most VMs and JIT Secrets of one namespace a cache holds.
 MAX_PER_NAMESPACE = {"vms": 5_000, "jit-secrets": 5_000}
-#: Secrets watched by name: in one namespace, and in all. A Secret beyond either is read from
-#: the API server instead (at most every :data:`NAMED_SECRET_TTL_SECONDS`), so a tenant naming
-#: many Secrets slows only its own passes.
-NAMED_SECRETS_PER_NAMESPACE = 32
-NAMED_SECRETS = 2_000
-#: Watches one Kubernetes client carries (each is a connection; the HTTP client keeps at most
-#: 100), so the named watches never take the connections of the operator's other requests.
-WATCHES_PER_CLIENT = 80
-NAMED_SECRET_TTL_SECONDS = 10.0
-#: Seconds after its last read a named Secret's watch is stopped (no pool names it any more).
-NAMED_SECRET_FORGET_SECONDS = 900.0
-#: Secret data values larger than this (bytes of base64) are not cached.
-SECRET_VALUE_MAX_BYTES = 16 * 1024
-#: Seconds a read waits for its cache's first list before asking the API server itself.
-SYNC_TIMEOUT_SECONDS = 30.0
-
-
-class KubeSource:
-    """Reads for the pool pass through one Kubernetes client (no cache).
-
-    ``lease_namespace``: the namespace of the agents' Leases (the release namespace; the
-    agents' ``--lease-namespace``). Leases are read there only: anyone with edit rights in a
-    namespace can create a Lease with the agents' label, and one read from there would keep a
-    dead node alive or announce capacity no node has."""
-
-    def __init__(self, kube: AsyncClient, lease_namespace: str = AGENT_LEASE_NAMESPACE) -> None:
-        self.kube = kube
-        self.lease_namespace = lease_namespace
-
-    async def start(self) -> None:
-        """Nothing to start (the cached source starts its watches here)."""
-
-    async def close(self) -> None:
-        """Nothing to stop."""
-
-    async def get(self, resource: Any, name: str, namespace: str | None) -> dict[str, Any] | None:
-        """An object as a dict, or None when it does not exist (404)."""
-        return await self.api_get(resource, name, namespace)
-
-    async def api_get(
-        self, resource: Any, name: str, namespace: str | None
-    ) -> dict[str, Any] | None:
-        """An object as the API server has it now, as a dict, or None (404)."""
-        try:
-            obj = await self.kube.get(resource, name, namespace=namespace)
-        except ApiError as e:
-            if e.status.code == 404:
-                return None
-            raise
-        out: dict[str, Any] = obj.to_dict()
-        return out
-
-    async def vms(self, pool: PoolObj) -> tuple[VM, ...]:
-        """The ImpVMs labelled for ``pool`` that it owns (never another pool's), by name."""
-        labels: Any = {POOL_LABEL: pool.name}
-        found = [
-            VM.from_body(o.to_dict())
-            async for o in self.kube.list(ImpVMResource, namespace=pool.namespace, labels=labels)
-        ]
-        return tuple(sorted((v for v in found if pool.uid in v.owner_uids), key=lambda v: v.name))
-
-    async def secret_names(self, pool: PoolObj) -> frozenset[str]:
-        """Names of the Secrets labelled for ``pool`` (its VMs' JIT Secrets)."""
-        labels: Any = {POOL_LABEL: pool.name}
-        return frozenset(
-            [
-                s.metadata.name
-                async for s in self.kube.list(Secret, namespace=pool.namespace, labels=labels)
-                if s.metadata and s.metadata.name
-            ]
-        )
-
-    async def leases(self) -> tuple[NodeLease, ...]:
-        """Every agent's Lease: those in :attr:`lease_namespace` with the agents' label and
-        name prefix (never a Lease of another namespace)."""
-        label: Any = dict([AGENT_LEASE_LABEL])
-        out = []
-        async for lease in self.kube.list(Lease, namespace=self.lease_namespace, labels=label):
-            parsed = _lease(lease.to_dict())
-            if parsed is not None:
-                out.append(parsed)
-        return tuple(out)
-
-    async def namespace_labels(self, namespace: str) -> dict[str, str] | None:
-        """The labels of ``namespace`` (its name is among them, ``kubernetes.io/metadata.name``),
-        or None when it does not exist."""
-        found = await self.api_get(Namespace, namespace, None)
-        if found is None:
-            return None
-        return dict(((found.get("metadata") or {}).get("labels")) or {})
-
-    def written(self, resource: Any, raw: dict[str, Any]) -> None:
-        """An object a write of this process returned (kept by the cached source)."""
-
-    def vm_deleted(self, namespace: str, name: str) -> None:
-        """A VM this process deleted (marked deleting by the cached source)."""
-
-
-def _lease(raw: dict[str, Any]) -> NodeLease | None:
-    """An agent Lease as a dict -> :class:`NodeLease`; None for a Lease of another name."""
-    meta = raw.get("metadata") or {}
-    if not (meta.get("name") or "").startswith(AGENT_LEASE_PREFIX):
-        return None
-    spec = raw.get("spec") or {}
-    renewed = spec.get("renewTime")
-    return NodeLease.parse(
-        spec.get("holderIdentity") or "",
-        parse_time(renewed),
-        spec.get("leaseDurationSeconds") or 40,
-        meta.get("annotations") or {},
-    )
-
-
-def _parse_vm(raw: dict[str, Any]) -> VM:
-    return VM.from_body(raw)
 
 
 def _parse_jit_secret(raw: dict[str, Any]) -> str:
@@ -219,239 +103,8 @@ def _parse_jit_secret(raw: dict[str, Any]) -> str:
     return str(((raw.get("metadata") or {}).get("labels") or {}).get(POOL_LABEL) or "")
 
 
-def _parse_secret(raw: dict[str, Any]) -> dict[str, Any]:
-    """A Secret -> name, namespace, resourceVersion and its small data values."""
-    meta = raw.get("metadata") or {}
-    data = {
-        k: v
-        for k, v in (raw.get("data") or {}).items()
-        if isinstance(v, str) and len(v) <= SECRET_VALUE_MAX_BYTES
-    }
-    kept = {k: meta.get(k) for k in ("name", "namespace", "resourceVersion", "uid")}
-    return {"metadata": kept, "data": data}
-
-
 def _whole(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
-
-
-@dataclass
-class _Named:
-    """One Secret read by name: its watch (None: read with a short cache instead), when it was
-    last asked for, and the last read of an unwatched one."""
-
-    used: float
-    cache: WatchCache[dict[str, Any]] | None = None
-    task: asyncio.Task[None] | None = None
-    client: AsyncClient | None = None
-    value: dict[str, Any] | None = None
-    read_at: float | None = None
-
-
-class NamedWatches:
-    """Objects read by name, each watched on its own: the Secrets pools and templates name
-    (:func:`named_secrets`), and the Namespaces whose labels a class's ``spec.namespaces``
-    selects (:func:`named_namespaces`); no other object of the kind is ever listed or held.
-
-    Each object asked for by ``(namespace, name)`` (``("", name)`` for a cluster-scoped kind)
-    gets a watch of its own (list + watch with the field selector ``metadata.name=<name>``, at
-    most one object), started on its first read and stopped ``forget`` seconds after its last.
-    The watches run on Kubernetes clients of their own, :data:`WATCHES_PER_CLIENT` each (one
-    connection per watch), so they never take the connections the operator's other requests
-    need. At most ``per_namespace`` objects of one namespace, and ``total`` in all, are
-    watched; one beyond that is read from the API server, at most every ``ttl`` seconds (the
-    namespace that names so many pays with its own requests; nobody else's is displaced).
-    ``namespaces``: those the operator serves (``["*"]``: all); an object elsewhere is never
-    read. ``clock``: monotonic seconds."""
-
-    def __init__(
-        self,
-        kube: AsyncClient,
-        resource: Any,
-        parse: Callable[[dict[str, Any]], dict[str, Any]],
-        namespaces: list[str] | None = None,
-        *,
-        cluster_scoped: bool = False,
-        per_namespace: int = NAMED_SECRETS_PER_NAMESPACE,
-        total: int = NAMED_SECRETS,
-        ttl: float = NAMED_SECRET_TTL_SECONDS,
-        forget: float = NAMED_SECRET_FORGET_SECONDS,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.kube = kube
-        self.resource = resource
-        self.parse = parse
-        self.cluster_scoped = cluster_scoped
-        self.namespaces = list(namespaces or ["*"])
-        self.per_namespace = per_namespace
-        self.total = total
-        self.ttl = ttl
-        self.forget = forget
-        self.clock = clock
-        self._entries: dict[Key, _Named] = {}
-        self._clients: dict[AsyncClient, int] = {}
-        self._swept = clock()
-        #: reads answered by the API server (no watch for the object)
-        self.api_reads = 0
-
-    def _watched(self, namespace: str) -> int:
-        return sum(1 for k, e in self._entries.items() if k[0] == namespace and e.cache)
-
-    def held(self) -> list[Key]:
-        """The Secrets held in memory (watched or recently read), by key."""
-        out = []
-        for key, e in self._entries.items():
-            if (e.cache is not None and e.cache.get(key) is not None) or e.value is not None:
-                out.append(key)
-        return sorted(out)
-
-    def _client(self) -> AsyncClient:
-        for client, n in self._clients.items():
-            if n < WATCHES_PER_CLIENT:
-                self._clients[client] += 1
-                return client
-        client = AsyncClient(config=self.kube.config)
-        self._clients[client] = 1
-        return client
-
-    def _watch(self, key: Key, entry: _Named) -> None:
-        ns, name = key
-        client = self._client()
-        entry.client = client
-        what = f"{getattr(self.resource, '__name__', 'object')} {ns}/{name}".replace(" /", " ")
-        entry.cache = WatchCache(
-            client,
-            self.resource,
-            self.parse,
-            namespace=None if self.cluster_scoped else ns,
-            fields={"metadata.name": name},
-            max_objects=1,
-            name=what,
-        )
-        entry.task = asyncio.get_running_loop().create_task(entry.cache.run(), name=f"watch {what}")
-
-    async def get(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """The object as ``parse`` keeps it, or None when it does not exist (``namespace``
-        ``""`` for a cluster-scoped kind). Raises lightkube's ``ApiError`` (e.g. 403) when the
-        API server refuses an uncached read."""
-        served = name if self.cluster_scoped else namespace
-        if self.namespaces != ["*"] and served not in self.namespaces:
-            return None  # not a namespace this operator serves
-        key = (namespace, name)
-        now = self.clock()
-        self._sweep(now)
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = self._entries[key] = _Named(used=now)
-            if (
-                self._watched(namespace) < self.per_namespace
-                and sum(1 for e in self._entries.values() if e.cache) < self.total
-            ):
-                self._watch(key, entry)
-            else:
-                log.info("%s/%s: read without a watch (watch limit reached)", *key)
-        entry.used = now
-        cache = entry.cache
-        if cache is not None:
-            if not cache.synced.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(cache.synced.wait(), SYNC_TIMEOUT_SECONDS)
-            if cache.synced.is_set():
-                return cache.get(key)
-        if entry.read_at is not None and now - entry.read_at < self.ttl:
-            return entry.value
-        self.api_reads += 1
-        try:
-            got = await self.kube.get(
-                self.resource, name, namespace=None if self.cluster_scoped else namespace
-            )
-            entry.value = self.parse(got.to_dict())
-        except ApiError as e:
-            if e.status.code != 404:
-                raise
-            entry.value = None
-        entry.read_at = now
-        return entry.value
-
-    def _sweep(self, now: float) -> None:
-        """Stop the watches of Secrets nobody asked for in ``forget`` seconds (once a minute)."""
-        if now - self._swept < 60.0:
-            return
-        self._swept = now
-        for key, entry in list(self._entries.items()):
-            if now - entry.used >= self.forget:
-                self._stop(entry)
-                del self._entries[key]
-
-    def _stop(self, entry: _Named) -> None:
-        if entry.task is not None:
-            entry.task.cancel()
-        if entry.client is not None:
-            self._clients[entry.client] -= 1
-
-    async def close(self) -> None:
-        """Stop every watch and close the clients."""
-        tasks = [e.task for e in self._entries.values() if e.task is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        self._entries.clear()
-        for client in list(self._clients):
-            await client.close()
-        self._clients.clear()
-
-
-def named_secrets(kube: AsyncClient, namespaces: list[str] | None = None) -> NamedWatches:
-    """The Secrets pools and templates name: credentials, webhook and verify-key Secrets."""
-    return NamedWatches(kube, Secret, _parse_secret, namespaces)
-
-
-def _parse_namespace(raw: dict[str, Any]) -> dict[str, Any]:
-    """A Namespace -> its name and labels."""
-    meta = raw.get("metadata") or {}
-    return {"metadata": {"name": meta.get("name"), "labels": dict(meta.get("labels") or {})}}
-
-
-def named_namespaces(kube: AsyncClient, namespaces: list[str] | None = None) -> NamedWatches:
-    """The Namespaces whose labels a class's ``spec.namespaces`` is checked against."""
-    return NamedWatches(
-        kube,
-        Namespace,
-        _parse_namespace,
-        namespaces,
-        cluster_scoped=True,
-        per_namespace=NAMED_SECRETS,
-    )
-
-
-class _Index:
-    """Names of cached objects by (namespace, pool), kept in step with one cache."""
-
-    def __init__(self) -> None:
-        self.by_pool: dict[tuple[str, str], set[str]] = {}
-        self.pool_of: dict[Key, str] = {}
-
-    def update(self, key: Key, pool: str | None) -> tuple[str | None, str | None]:
-        """Record that ``key`` now belongs to ``pool`` (None: gone). Returns (old, new) pool."""
-        old = self.pool_of.get(key)
-        if old == pool:
-            return old, pool
-        if old is not None:
-            names = self.by_pool.get((key[0], old))
-            if names is not None:
-                names.discard(key[1])
-                if not names:
-                    del self.by_pool[(key[0], old)]
-            del self.pool_of[key]
-        if pool is not None:
-            self.pool_of[key] = pool
-            self.by_pool.setdefault((key[0], pool), set()).add(key[1])
-        return old, pool
-
-    def names(self, namespace: str, pool: str) -> list[str]:
-        return sorted(self.by_pool.get((namespace, pool), ()))
 
 
 Wake = Callable[[str, str], None]
@@ -482,10 +135,10 @@ class CachedSource(KubeSource):
         super().__init__(kube, lease_namespace)
         self.namespaces = list(namespaces or ["*"])
         limits = {**MAX_OBJECTS, **(max_objects or {})}
-        self._vm_index = _Index()
+        self._vm_index = GroupIndex()
         #: each cached VM's pool and creation time, to observe its lifetime when it goes
         self._vm_born: dict[Key, tuple[str, dt.datetime]] = {}
-        self._secret_index = _Index()
+        self._secret_index = GroupIndex()
         self.on_vm, self.on_template, self.on_class, self.on_pool = (
             on_vm,
             on_template,
@@ -514,7 +167,7 @@ class CachedSource(KubeSource):
 
         per_ns("pools", ImpVMRunnerPoolResource, _whole, self._pool_changed)
         per_ns("templates", ImpVMTemplateResource, _whole, self._template_changed)
-        per_ns("vms", ImpVMResource, _parse_vm, self._vm_changed, labels=pool_label)
+        per_ns("vms", ImpVMResource, parse_vm, self._vm_changed, labels=pool_label)
         per_ns("jit-secrets", Secret, _parse_jit_secret, self._jit_changed, labels=pool_label)
         #: the Secrets pools and templates name, and the Namespaces classes select: each
         #: watched by name
@@ -536,7 +189,7 @@ class CachedSource(KubeSource):
             WatchCache(
                 kube,
                 Lease,
-                _lease,
+                lease_of,
                 namespace=lease_namespace,
                 labels=label,
                 max_objects=limits["leases"],
