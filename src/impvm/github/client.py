@@ -1,6 +1,6 @@
 """Async GitHub REST client for the operator: JIT configs, runner groups, runners, runs and jobs,
 the installation's repositories, rate limits. Each endpoint is one method over
-:class:`impvm.github.transport.GitHubTransport` (auth, retries, rate-limit waits, conditional
+:class:`impvm.github.reads.GitHubReads` (auth, retries, rate-limit waits; conditional
 reads); an endpoint that exists for an organisation and a repository takes a :class:`Scope` and
 resolves its path once (:func:`_at`).
 
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, cast
 
 from githubkit import Response
-from githubkit.utils import UNSET
 from pydantic import SecretStr
 
 from impvm.github.auth import Permissions
+from impvm.github.convert import job_of, run_of, runner_of
 from impvm.github.errors import NotFound, RequestRejected
-from impvm.github.transport import GitHubTransport
+from impvm.github.reads import GitHubReads
 from impvm.github.types import (
     DeleteOutcome,
     JitConfig,
@@ -35,12 +35,8 @@ from impvm.github.types import (
     WorkflowRun,
 )
 
-
-def _opt(value: Any) -> Any:
-    return None if value is UNSET else value
-
-
 #: a githubkit endpoint method: called with the scope's path arguments, then the endpoint's own
+#: arguments
 ScopedCall: TypeAlias = Callable[..., Awaitable[Response[Any, Any]]]
 
 
@@ -67,7 +63,7 @@ class _Scoped:
         return self.call(*self.args, *rest, **kwargs)
 
 
-class GitHubClient(GitHubTransport):
+class GitHubClient(GitHubReads):
     """Async GitHub REST client for one set of credentials (one App installation or one PAT).
 
     ``credentials``: :class:`AppCredentials` or :class:`PatCredentials`. ``server_url``: the
@@ -157,19 +153,6 @@ class GitHubClient(GitHubTransport):
             encoded_jit_config=SecretStr(data.encoded_jit_config),
         )
 
-    @staticmethod
-    def _runner(model: Any) -> Runner:
-        return Runner(
-            id=int(model.id),
-            name=str(model.name),
-            status=str(model.status),
-            busy=bool(model.busy),
-            labels=tuple(label.name for label in model.labels),
-            os=str(model.os),
-            runner_group_id=_opt(model.runner_group_id),
-            ephemeral=_opt(model.ephemeral),
-        )
-
     def _runner_perms(self, scope: Scope, level: str) -> Permissions:
         if scope.org is not None:
             return self._perms({"organization_self_hosted_runners": level})
@@ -193,7 +176,7 @@ class GitHubClient(GitHubTransport):
             lambda d: d.runners,
             lambda d: d.total_count,
         )
-        return [self._runner(m) for m in models if str(m.name).startswith(name_prefix)]
+        return [runner_of(m) for m in models if str(m.name).startswith(name_prefix)]
 
     async def get_runner(self, scope: Scope, runner_id: int) -> Runner | None:
         """One runner, or ``None`` if GitHub no longer knows it (404).
@@ -214,7 +197,7 @@ class GitHubClient(GitHubTransport):
             )
         except NotFound:
             return None
-        return self._runner(resp.parsed_data)
+        return runner_of(resp.parsed_data)
 
     async def delete_runner(self, scope: Scope, runner_id: int) -> DeleteOutcome:
         """Remove a runner registration: 204 -> ``DELETED``; 422 (runner still running a job)
@@ -245,40 +228,6 @@ class GitHubClient(GitHubTransport):
     # ------------------------------------------------------------------ runs and jobs
 
     @staticmethod
-    def _run(model: Any) -> WorkflowRun:
-        return WorkflowRun(
-            id=int(model.id),
-            name=_opt(model.name),
-            status=model.status,
-            conclusion=model.conclusion,
-            repository=str(model.repository.full_name),
-            run_attempt=_opt(model.run_attempt),
-            event=str(model.event),
-            head_branch=model.head_branch,
-            created_at=model.created_at,
-            updated_at=model.updated_at,
-        )
-
-    @staticmethod
-    def _job(model: Any) -> WorkflowJob:
-        return WorkflowJob(
-            id=int(model.id),
-            run_id=int(model.run_id),
-            name=str(model.name),
-            status=str(model.status),
-            conclusion=model.conclusion,
-            labels=tuple(model.labels),
-            runner_id=model.runner_id,
-            runner_name=model.runner_name,
-            runner_group_id=model.runner_group_id,
-            workflow_name=model.workflow_name,
-            head_branch=model.head_branch,
-            created_at=model.created_at,
-            started_at=model.started_at,
-            completed_at=model.completed_at,
-        )
-
-    @staticmethod
     def _split(repo: str) -> tuple[str, str]:
         return Scope(repo=repo).owner_repo
 
@@ -301,7 +250,7 @@ class GitHubClient(GitHubTransport):
             lambda d: d.workflow_runs,
             lambda d: d.total_count,
         )
-        return Listed([self._run(m) for m in listed.items], listed.calls, listed.not_modified)
+        return Listed([run_of(m) for m in listed.items], listed.calls, listed.not_modified)
 
     async def list_run_jobs(
         self, repo: str, run_id: int, filter: Literal["latest", "all"] = "latest"
@@ -326,7 +275,7 @@ class GitHubClient(GitHubTransport):
             lambda d: d.jobs,
             lambda d: d.total_count,
         )
-        return Listed([self._job(m) for m in listed.items], listed.calls, listed.not_modified)
+        return Listed([job_of(m) for m in listed.items], listed.calls, listed.not_modified)
 
     async def get_run(self, repo: str, run_id: int) -> WorkflowRun | None:
         """One workflow run, ``None`` on 404. Source: REST "Workflow runs", get a run."""
@@ -341,7 +290,7 @@ class GitHubClient(GitHubTransport):
             )
         except NotFound:
             return None
-        return self._run(data)
+        return run_of(data)
 
     async def get_job(self, repo: str, job_id: int) -> WorkflowJob | None:
         """One workflow job, ``None`` on 404. Source: REST "Workflow jobs", get a job."""
@@ -358,7 +307,7 @@ class GitHubClient(GitHubTransport):
             )
         except NotFound:
             return None
-        return self._job(data)
+        return job_of(data)
 
     # ------------------------------------------------------------------ installation
 

@@ -1,8 +1,8 @@
 """The transport under the GitHub client: one githubkit instance and connection pool per set of
 credentials, installation tokens minted per permission set and cached until shortly before
-expiry, typed errors (:mod:`impvm.github.errors`), rate-limit waits, bounded jittered retries,
-and ETag conditional requests for repeated list reads (with pagination). The endpoints are in
-:mod:`impvm.github.client`.
+expiry, typed errors (:mod:`impvm.github.errors`), rate-limit waits and bounded jittered
+retries. The shared state is in :mod:`impvm.github.shared`, the conditional and paginated reads
+in :mod:`impvm.github.reads`, the endpoints in :mod:`impvm.github.client`.
 
 Sources: GitHub REST docs "Authenticating as a GitHub App installation" (installation tokens),
 "Rate limits for the REST API" (primary: wait until ``x-ratelimit-reset``; secondary: honour
@@ -14,16 +14,14 @@ rate limit).
 from __future__ import annotations
 
 import asyncio
-import functools
 import random
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import Any, Self, TypeVar, cast
 
 import httpx
-from githubkit import GitHub, Response, UnauthAuthStrategy
+from githubkit import Response
 from githubkit.exception import RequestError, RequestFailed, RequestTimeout
 from pydantic import SecretStr
 
@@ -36,7 +34,6 @@ from impvm.github.auth import (
     Permissions,
     TokenCache,
     create_app_jwt,
-    identity_of,
     permissions_key,
 )
 from impvm.github.errors import (
@@ -50,9 +47,9 @@ from impvm.github.errors import (
     RequestRejected,
     TransientError,
 )
+from impvm.github.shared import SharedState
 from impvm.github.types import (
     DEFAULT_API_URL,
-    Listed,
     RateLimitBucket,
     RetryPolicy,
 )
@@ -85,91 +82,11 @@ def _epoch(iso: str) -> float:
 Fetch = Callable[[dict[str, str]], Awaitable[Response[T, Any]]]
 
 
-class _KeptTransport(httpx.AsyncBaseTransport):
-    """One connection pool (and one TLS context) for every request of a client. githubkit makes
-    an ``httpx.AsyncClient`` per request and closes it afterwards; closing that client must not
-    close the pool, so :meth:`aclose` does nothing and :meth:`shutdown` closes it for real (a
-    later request opens a new pool)."""
-
-    def __init__(self) -> None:
-        self._inner: httpx.AsyncHTTPTransport | None = None
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if self._inner is None:
-            self._inner = httpx.AsyncHTTPTransport()
-        return await self._inner.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        """Called by each per-request client: keep the pool."""
-
-    async def shutdown(self) -> None:
-        """Close the pool's connections."""
-        inner, self._inner = self._inner, None
-        if inner is not None:
-            await inner.aclose()
-
-
-class _Shared:
-    """State shared by a client and its :meth:`GitHubClient.with_permissions` views."""
-
-    def __init__(
-        self,
-        credentials: Credentials,
-        api_url: str,
-        timeout: float,
-        retry: RetryPolicy,
-        sleep: Callable[[float], Awaitable[None]],
-        clock: Callable[[], float],
-        token_refresh_margin: float,
-        page_size: int,
-        etag_cache_size: int,
-    ) -> None:
-        self.credentials = credentials
-        self.api_url = api_url
-        self.identity = identity_of(credentials, api_url)
-        #: GitHub accepted these credentials: an installation token was minted (App) or a
-        #: request answered (PAT)
-        self.proven = False
-        self.transport = _KeptTransport()
-        self.gh = GitHub(
-            UnauthAuthStrategy(),
-            base_url=api_url,
-            timeout=timeout,
-            auto_retry=False,
-            http_cache=False,
-            user_agent="impvm",
-            async_transport=self.transport,
-        )
-        self.retry = retry
-        self.sleep = sleep
-        self.clock = clock
-        self.tokens = TokenCache(refresh_margin=token_refresh_margin)
-        self.mint_locks: dict[Hashable, asyncio.Lock] = {}
-        self.page_size = page_size
-        self.etags: OrderedDict[Hashable, tuple[str, Any]] = OrderedDict()
-        self.etag_cache_size = etag_cache_size
-        #: last rate-limit headers seen per resource (``x-ratelimit-resource``)
-        self.budget: dict[str, RateLimitBucket] = {}
-
-    def secrets(self) -> list[str]:
-        out = self.tokens.secrets()
-        if isinstance(self.credentials, AppCredentials):
-            out.append(self.credentials.private_key.get_secret_value())
-        else:
-            out.append(self.credentials.token.get_secret_value())
-        return out
-
-    def redact(self, text: str) -> str:
-        for secret in self.secrets():
-            if secret:
-                text = text.replace(secret, "***")
-        return text
-
-
 class GitHubTransport:
     """Requests for one set of credentials: authorization, sending with retries and rate-limit
-    waits, conditional and paginated reads. :class:`impvm.github.client.GitHubClient` adds the
-    endpoints; its docstring gives the constructor's parameters."""
+    waits. :class:`impvm.github.reads.GitHubReads` adds conditional and paginated reads,
+    :class:`impvm.github.client.GitHubClient` the endpoints; its docstring gives the
+    constructor's parameters."""
 
     def __init__(
         self,
@@ -186,7 +103,7 @@ class GitHubTransport:
         page_size: int = 100,
         etag_cache_size: int = 16384,
     ) -> None:
-        self._shared = _Shared(
+        self._shared = SharedState(
             credentials,
             api_url or api_base_url(server_url),
             timeout,
@@ -454,73 +371,3 @@ class GitHubTransport:
                 raise failure
             delay = min(policy.max_delay, policy.base_delay * 2 ** (transient - 1))
             await shared.sleep(delay * (0.5 + 0.5 * self._rng()))
-
-    async def _get(
-        self, endpoint: str, perms: Permissions, cache_key: Hashable, fetch: Fetch[T]
-    ) -> T:
-        """GET with ETag revalidation: a 304 returns the cached parsed body."""
-        data, _ = await self._get_conditional(endpoint, perms, cache_key, fetch)
-        return data
-
-    async def _get_conditional(
-        self, endpoint: str, perms: Permissions, cache_key: Hashable, fetch: Fetch[T]
-    ) -> tuple[T, bool]:
-        """GET with ``If-None-Match`` when an ETag of ``cache_key`` is kept: returns the body
-        and whether GitHub answered 304 (the kept body is returned then)."""
-        shared = self._shared
-        key = (cache_key, permissions_key(perms))
-        cached = shared.etags.get(key)
-        extra = {"If-None-Match": cached[0]} if cached is not None else None
-        resp = await self._send(endpoint, "GET", perms, fetch, extra_headers=extra)
-        if resp.status_code == 304 and cached is not None:
-            shared.etags.move_to_end(key)
-            return cast(T, cached[1]), True
-        data = resp.parsed_data
-        etag = resp.headers.get("etag")
-        if etag:
-            shared.etags[key] = (etag, data)
-            shared.etags.move_to_end(key)
-            while len(shared.etags) > shared.etag_cache_size:
-                shared.etags.popitem(last=False)
-        return data, False
-
-    async def _paginate(
-        self,
-        endpoint: str,
-        perms: Permissions,
-        cache_key: Hashable,
-        fetch_page: Callable[[int, int, dict[str, str]], Awaitable[Response[Any, Any]]],
-        items: Callable[[Any], Sequence[Any]],
-        total: Callable[[Any], int],
-    ) -> list[Any]:
-        """Read all pages (``per_page`` = page size) until a short page or ``total_count``."""
-        listed = await self._paginate_conditional(
-            endpoint, perms, cache_key, fetch_page, items, total
-        )
-        return listed.items
-
-    async def _paginate_conditional(
-        self,
-        endpoint: str,
-        perms: Permissions,
-        cache_key: Hashable,
-        fetch_page: Callable[[int, int, dict[str, str]], Awaitable[Response[Any, Any]]],
-        items: Callable[[Any], Sequence[Any]],
-        total: Callable[[Any], int],
-    ) -> Listed[Any]:
-        """:meth:`_paginate`, counting the requests and the 304s among them."""
-        size = self._shared.page_size
-        out: list[Any] = []
-        page = calls = not_modified = 0
-        while True:
-            page += 1
-            fetch: Fetch[Any] = functools.partial(fetch_page, page, size)
-            data, cached = await self._get_conditional(
-                endpoint, perms, (cache_key, page, size), fetch
-            )
-            calls += 1
-            not_modified += cached
-            batch = items(data)
-            out.extend(batch)
-            if len(batch) < size or len(out) >= total(data):
-                return Listed(out, calls, not_modified)
