@@ -38,9 +38,6 @@ whoever can read one can read the other.
 from __future__ import annotations
 
 import atexit
-import base64
-import datetime as dt
-import ipaddress
 import json
 import os
 import shutil
@@ -54,18 +51,14 @@ from importlib import resources
 from pathlib import Path
 
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from impvm.kube import cpflags as flags
+from impvm.kube import pki as certs
+from impvm.kube.pki import KUBELET_CLIENT_USER, write_private
+
+__all__ = ["KUBELET_CLIENT_USER", "ControlPlane", "ControlPlaneError", "free_port", "write_private"]
 
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
-
-#: ClusterIPs of Services (the first, 10.0.0.1, is the API server's Service ``kubernetes``)
-SERVICE_CIDR = "10.0.0.0/24"
-
-#: the user the API server authenticates as to kubelets (``for_nodes``)
-KUBELET_CLIENT_USER = "kube-apiserver-kubelet-client"
 
 
 class ControlPlaneError(RuntimeError):
@@ -106,119 +99,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
-
-
-def _key() -> rsa.RSAPrivateKey:
-    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
-
-
-def _pem_key(key: rsa.RSAPrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.TraditionalOpenSSL,
-        serialization.NoEncryption(),
-    )
-
-
-#: DNS names of the API server inside a cluster (its Service ``kubernetes`` in ``default``)
-_SERVICE_NAMES = (
-    "kubernetes",
-    "kubernetes.default",
-    "kubernetes.default.svc",
-    "kubernetes.default.svc.cluster.local",
-)
-
-
-def _cert(
-    subject: x509.Name,
-    key: rsa.RSAPrivateKey,
-    issuer: x509.Name,
-    issuer_key: rsa.RSAPrivateKey,
-    *,
-    ca: bool = False,
-    server: bool = False,
-    client: bool = False,
-    days: int = 30,
-    addresses: tuple[str, ...] = (),
-) -> x509.Certificate:
-    now = dt.datetime.now(dt.UTC)
-    b = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if server:
-        ips = dict.fromkeys(("127.0.0.1", "10.0.0.1", *addresses))
-        b = b.add_extension(
-            x509.SubjectAlternativeName(
-                [
-                    *(x509.DNSName(n) for n in ("localhost", *_SERVICE_NAMES)),
-                    *(x509.IPAddress(ipaddress.ip_address(a)) for a in ips),
-                ]
-            ),
-            critical=False,
-        )
-    usages = []
-    if server:
-        usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
-    if client:
-        usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
-    if usages:
-        b = b.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-    if ca:
-        b = b.add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-    return b.sign(issuer_key, hashes.SHA256())
-
-
-def _name(cn: str, org: str | list[str] | None = None) -> x509.Name:
-    """A subject; Kubernetes reads the user from CN and the groups from each O."""
-    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
-    for o in [org] if isinstance(org, str) else org or []:
-        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, o))
-    return x509.Name(attrs)
-
-
-#: validity of a persistent control plane's certificates (days); leaf certificates are issued
-#: again at a start when fewer than RENEW_DAYS remain
-CA_DAYS = 3650
-LEAF_DAYS = 365
-RENEW_DAYS = 30
-
-
-def _fresh(cert_path: Path, key_path: Path) -> bool:
-    """Whether a certificate and its key exist and the certificate is valid for RENEW_DAYS
-    more days."""
-    if not (cert_path.is_file() and key_path.is_file()):
-        return False
-    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-    left = cert.not_valid_after_utc - dt.datetime.now(dt.UTC)
-    return left > dt.timedelta(days=RENEW_DAYS)
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` readable by its owner only (created with that mode)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(path, 0o600)
 
 
 @dataclass
@@ -283,97 +163,6 @@ class ControlPlane:
     def pki(self) -> Path:
         return self.workdir / "pki"
 
-    def _ensure_pki(self) -> None:
-        """CA, service-account key, serving and admin certificates. A persistent control plane
-        makes the CA and the service-account key once (tokens and kubeconfigs stay valid across
-        restarts) and issues a leaf certificate again only when it is missing or expiring."""
-        pki = self.pki
-        pki.mkdir(parents=True, exist_ok=True, mode=0o700)
-        keep = self.persistent
-        ca_days, leaf_days = (CA_DAYS, LEAF_DAYS) if keep else (30, 30)
-        ca_name = _name("impvm-ca")
-        if keep and (pki / "ca.crt").is_file() and (pki / "ca.key").is_file():
-            ca_key = self._ca_key()
-        else:
-            ca_key = _key()
-            ca = _cert(ca_name, ca_key, ca_name, ca_key, ca=True, days=ca_days)
-            write_private(pki / "ca.key", _pem_key(ca_key))
-            write_private(pki / "ca.crt", ca.public_bytes(serialization.Encoding.PEM))
-        if not (keep and (pki / "sa.key").is_file() and (pki / "sa.pub").is_file()):
-            sa_key = _key()
-            write_private(pki / "sa.key", _pem_key(sa_key))
-            write_private(
-                pki / "sa.pub",
-                sa_key.public_key().public_bytes(
-                    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-                ),
-            )
-        # etcd's own CA: only what it signs may talk to etcd (never a Kubernetes client cert)
-        etcd_ca_name = _name("impvm-etcd-ca")
-        if keep and (pki / "etcd-ca.crt").is_file() and (pki / "etcd-ca.key").is_file():
-            etcd_ca_key = self._ca_key("etcd-ca")
-        else:
-            etcd_ca_key = _key()
-            etcd_ca = _cert(etcd_ca_name, etcd_ca_key, etcd_ca_name, etcd_ca_key, ca=True,
-                            days=ca_days)  # fmt: skip
-            write_private(pki / "etcd-ca.key", _pem_key(etcd_ca_key))
-            write_private(pki / "etcd-ca.crt", etcd_ca.public_bytes(serialization.Encoding.PEM))
-        leaves = {
-            "apiserver": (_name("kube-apiserver"), {"server": True}, ca_name, ca_key),
-            "admin": (_name("impvm-admin", "system:masters"), {"client": True}, ca_name, ca_key),
-            # etcd's own gRPC gateway connects to it with this certificate: client use too
-            "etcd-server": (_name("etcd"), {"server": True, "client": True}, etcd_ca_name,
-                            etcd_ca_key),
-            "etcd-peer": (_name("etcd-peer"), {"server": True, "client": True}, etcd_ca_name,
-                          etcd_ca_key),
-            "apiserver-etcd-client": (_name("kube-apiserver-etcd-client"), {"client": True},
-                                      etcd_ca_name, etcd_ca_key),
-        }  # fmt: skip
-        if self.for_nodes:
-            # the API server's identity to kubelets (logs, exec), bound to
-            # system:kubelet-api-admin by the cluster
-            leaves["apiserver-kubelet-client"] = (
-                _name(KUBELET_CLIENT_USER, "kubeadm:cluster-admins"),
-                {"client": True},
-                ca_name,
-                ca_key,
-            )
-        for stem, (subject, kind, issuer, issuer_key) in leaves.items():
-            crt, key_path = pki / f"{stem}.crt", pki / f"{stem}.key"
-            if keep and _fresh(crt, key_path):
-                continue
-            key = _key()
-            cert = _cert(
-                subject, key, issuer, issuer_key, days=leaf_days, addresses=(self.address,), **kind
-            )
-            write_private(key_path, _pem_key(key))
-            write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
-
-    def _ensure_encryption(self) -> tuple[Path, bool]:
-        """The kube-apiserver ``EncryptionConfiguration`` for Secrets (made once when
-        persistent: a new key would leave the Secrets already stored unreadable), and whether
-        it was made now."""
-        path = self.pki / "encryption.yaml"
-        if self.persistent and path.is_file():
-            return path, False
-        key = base64.b64encode(os.urandom(32)).decode()
-        config = {
-            "apiVersion": "apiserver.config.k8s.io/v1",
-            "kind": "EncryptionConfiguration",
-            "resources": [
-                {
-                    "resources": ["secrets"],
-                    "providers": [
-                        {"secretbox": {"keys": [{"name": "key1", "secret": key}]}},
-                        # reads Secrets stored before encryption was turned on
-                        {"identity": {}},
-                    ],
-                }
-            ],
-        }
-        write_private(path, yaml.safe_dump(config).encode())
-        return path, True
-
     def _encrypt_stored_secrets(self) -> int:
         """Write every Secret again, unchanged, so the API server stores it encrypted: a data
         directory from before encryption was on holds them in clear, and the ``identity``
@@ -403,24 +192,12 @@ class ControlPlane:
             raise ControlPlaneError(f"encrypting stored Secrets: {put.stderr.decode()[-500:]}")
         return len(listed["items"])
 
-    def _ca_key(self, stem: str = "ca") -> rsa.RSAPrivateKey:
-        key = serialization.load_pem_private_key((self.pki / f"{stem}.key").read_bytes(), None)
-        assert isinstance(key, rsa.RSAPrivateKey)
-        return key
-
     def serving_certificate(self, stem: str, addresses: tuple[str, ...]) -> tuple[Path, Path]:
         """A server certificate and key (``pki/<stem>.crt``, ``.key``) from this control plane's
         CA for ``addresses`` (IP addresses, plus ``localhost``), for servers beside the API
         server that clients verify with the cluster's CA (the test cluster's registry). Call
         after :meth:`start`."""
-        crt, key_path = self.pki / f"{stem}.crt", self.pki / f"{stem}.key"
-        key = _key()
-        cert = _cert(
-            _name(stem), key, _name("impvm-ca"), self._ca_key(), server=True, addresses=addresses
-        )
-        write_private(key_path, _pem_key(key))
-        write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
-        return crt, key_path
+        return certs.issue(self.pki, stem, certs.name(stem), server=True, addresses=addresses)
 
     def client_kubeconfig(self, path: Path, user: str, groups: list[str]) -> Path:
         """Write a kubeconfig to ``path`` that authenticates as ``user`` in ``groups`` with a
@@ -431,14 +208,9 @@ class ControlPlane:
         certificate is issued once and again when expiring. Call after :meth:`start`."""
         stem = "client-" + "".join(c if c.isalnum() else "-" for c in user)
         crt, key_path = self.pki / f"{stem}.crt", self.pki / f"{stem}.key"
-        if not _fresh(crt, key_path):
-            key = _key()
-            days = LEAF_DAYS if self.persistent else 30
-            cert = _cert(
-                _name(user, groups), key, _name("impvm-ca"), self._ca_key(), client=True, days=days
-            )
-            write_private(key_path, _pem_key(key))
-            write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
+        if not certs.fresh(crt, key_path):
+            days = certs.LEAF_DAYS if self.persistent else 30
+            certs.issue(self.pki, stem, certs.name(user, groups), client=True, days=days)
         cfg = self._kubeconfig_dict(
             "sa", {"client-certificate": str(crt), "client-key": str(key_path)}
         )
@@ -525,196 +297,41 @@ class ControlPlane:
 
     def start(self) -> ControlPlane:
         """Start etcd, kube-apiserver and kube-controller-manager; return self when ready."""
-        assets = self.assets = self.assets or find_assets()
+        self.assets = self.assets or find_assets()
         atexit.register(self.stop)  # never leave etcd/kube-apiserver running behind a crash
         self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._ensure_pki()
+        certs.ensure_pki(
+            self.pki, persistent=self.persistent, address=self.address, for_nodes=self.for_nodes
+        )
         had_data = (self.workdir / "etcd" / "member").is_dir()
-        encryption, new_key = self._ensure_encryption() if self.encrypt_secrets else (None, False)
-        pki = self.pki
+        encryption, new_key = (
+            certs.ensure_encryption(self.pki, persistent=self.persistent)
+            if self.encrypt_secrets
+            else (None, False)
+        )
         self.api_port, self.etcd_port, peer_port = self._ports()
         etcd_url = self.etcd_url
         peer_url = f"https://127.0.0.1:{peer_port}"
-        self._spawn(
-            "etcd",
-            [
-                str(assets / "etcd"),
-                "--data-dir",
-                str(self.workdir / "etcd"),
-                "--listen-client-urls",
-                etcd_url,
-                "--advertise-client-urls",
-                etcd_url,
-                "--cert-file",
-                str(pki / "etcd-server.crt"),
-                "--key-file",
-                str(pki / "etcd-server.key"),
-                "--trusted-ca-file",
-                str(pki / "etcd-ca.crt"),
-                "--client-cert-auth",
-                "--listen-peer-urls",
-                peer_url,
-                "--initial-advertise-peer-urls",
-                peer_url,
-                "--initial-cluster",
-                f"default={peer_url}",
-                "--peer-cert-file",
-                str(pki / "etcd-peer.crt"),
-                "--peer-key-file",
-                str(pki / "etcd-peer.key"),
-                "--peer-trusted-ca-file",
-                str(pki / "etcd-ca.crt"),
-                "--peer-client-cert-auth",
-                f"--unsafe-no-fsync={'false' if self.etcd_fsync else 'true'}",
-                "--log-level",
-                "warn",
-            ],
-        )
+        self._spawn("etcd", flags.etcd(self, etcd_url, peer_url))
         tls = self.etcd_tls()
         self._wait(
             "etcd",
             lambda: urllib.request.urlopen(etcd_url + "/health", timeout=2, context=tls),  # noqa: S310
         )
         self._write_kubeconfig()
-        self._spawn(
-            "kube-apiserver",
-            [
-                str(assets / "kube-apiserver"),
-                "--etcd-servers",
-                etcd_url,
-                "--etcd-cafile",
-                str(pki / "etcd-ca.crt"),
-                "--etcd-certfile",
-                str(pki / "apiserver-etcd-client.crt"),
-                "--etcd-keyfile",
-                str(pki / "apiserver-etcd-client.key"),
-                "--anonymous-auth=false",
-                "--bind-address",
-                self.bind_address,
-                "--secure-port",
-                str(self.api_port),
-                "--cert-dir",
-                str(pki),
-                "--tls-cert-file",
-                str(pki / "apiserver.crt"),
-                "--tls-private-key-file",
-                str(pki / "apiserver.key"),
-                "--client-ca-file",
-                str(pki / "ca.crt"),
-                *self._apiserver_node_args(),
-                "--service-cluster-ip-range",
-                SERVICE_CIDR,
-                "--allow-privileged=true",
-                "--service-account-issuer",
-                f"https://{self.address}:{self.api_port}/",
-                "--service-account-key-file",
-                str(pki / "sa.pub"),
-                "--service-account-signing-key-file",
-                str(pki / "sa.key"),
-                *(["--encryption-provider-config", str(encryption)] if encryption else []),
-                "--v",
-                "1",
-            ],
-        )
+        self._spawn("kube-apiserver", flags.apiserver(self, encryption))
         self._wait("kube-apiserver", lambda: self._https_ok("/readyz"))
         if new_key and had_data:
             self._encrypt_stored_secrets()
-        self._spawn(
-            "kube-controller-manager",
-            [
-                str(assets / "kube-controller-manager"),
-                *self._controller_manager_args(),
-                "--leader-elect=false",
-                "--secure-port",
-                "0",
-                "--concurrent-gc-syncs",
-                "5",
-                "--v",
-                "1",
-            ],
-        )
+        self._spawn("kube-controller-manager", flags.controller_manager(self))
         if self.for_nodes:
-            self._spawn(
-                "kube-scheduler",
-                [
-                    str(assets / "kube-scheduler"),
-                    "--kubeconfig",
-                    str(
-                        self.client_kubeconfig(
-                            self.workdir / "scheduler.kubeconfig", "system:kube-scheduler", []
-                        )
-                    ),
-                    "--leader-elect=false",
-                    "--secure-port",
-                    "0",
-                    "--v",
-                    "1",
-                ],
-            )
+            self._spawn("kube-scheduler", flags.scheduler(self))
         # kcm needs a moment to build its GC graph; callers that depend on cascades wait for them.
         time.sleep(0.5)
         if self.procs["kube-controller-manager"].poll() is not None:
             tail = (self.workdir / "kube-controller-manager.log").read_text()[-3000:]
             raise ControlPlaneError(f"kube-controller-manager exited:\n{tail}")
         return self
-
-    def _apiserver_node_args(self) -> list[str]:
-        """Authorization and admission: envtest's (RBAC, no ServiceAccount admission) or, for
-        real nodes, kubeadm's (``Node,RBAC``, NodeRestriction, kubelet client certificate)."""
-        if not self.for_nodes:
-            return ["--authorization-mode", "RBAC", "--disable-admission-plugins", "ServiceAccount"]
-        pki = self.pki
-        return [
-            "--authorization-mode",
-            "Node,RBAC",
-            "--enable-admission-plugins",
-            "NodeRestriction",
-            "--advertise-address",
-            self.address,
-            "--kubelet-client-certificate",
-            str(pki / "apiserver-kubelet-client.crt"),
-            "--kubelet-client-key",
-            str(pki / "apiserver-kubelet-client.key"),
-            "--kubelet-preferred-address-types",
-            "InternalIP",
-        ]
-
-    def _controller_manager_args(self) -> list[str]:
-        """The garbage collector and namespace controllers as the admin, or (``for_nodes``)
-        every default controller, each with its own ServiceAccount's credentials, signing
-        ServiceAccount tokens and publishing the CA (``kube-root-ca.crt``, which every
-        projected ServiceAccount volume reads)."""
-        if not self.for_nodes:
-            return [
-                "--kubeconfig",
-                str(self.kubeconfig),
-                "--controllers",
-                "garbagecollector,namespace",
-            ]
-        pki = self.pki
-        kubeconfig = self.client_kubeconfig(
-            self.workdir / "controller-manager.kubeconfig", "system:kube-controller-manager", []
-        )
-        return [
-            "--kubeconfig",
-            str(kubeconfig),
-            "--controllers",
-            "*",
-            "--use-service-account-credentials",
-            "--service-account-private-key-file",
-            str(pki / "sa.key"),
-            "--root-ca-file",
-            str(pki / "ca.crt"),
-            "--cluster-signing-cert-file",
-            str(pki / "ca.crt"),
-            "--cluster-signing-key-file",
-            str(pki / "ca.key"),
-            "--service-cluster-ip-range",
-            SERVICE_CIDR,
-            "--allocate-node-cidrs=false",
-            "--node-monitor-grace-period",
-            "40s",
-        ]
 
     def dead(self) -> list[str]:
         """Names of the processes that exited."""
