@@ -25,6 +25,12 @@ def k8s_time(t: dt.datetime | None = None) -> str:
     return (t or utcnow()).astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def require_aware(what: str, value: dt.datetime | None) -> None:
+    """Raise ``ValueError`` naming ``what`` when ``value`` is a naive datetime (None passes)."""
+    if value is not None and value.utcoffset() is None:
+        raise ValueError(f"{what} must be a timezone-aware datetime, got {value!r}")
+
+
 def parse_time(raw: object) -> dt.datetime | None:
     """A timestamp as the API server or GitHub writes it (RFC 3339: ``2026-11-30T12:00:00Z``,
     fractions and offsets allowed) as an aware datetime; a datetime is returned as it is (an

@@ -10,6 +10,7 @@ from datetime import datetime
 from enum import StrEnum
 
 from impvm.api.models import ImpVMRunnerPoolSpec, VMPhase
+from impvm.api.times import require_aware
 from impvm.api.vm import VM
 from impvm.scaling.poolpass.world import RunnerView
 
@@ -53,11 +54,6 @@ class VMState(StrEnum):
     IDLE = "idle"
     BUSY = "busy"
     TERMINATING = "terminating"
-
-
-def _require_aware(what: str, value: datetime | None) -> None:
-    if value is not None and value.utcoffset() is None:
-        raise ValueError(f"{what} must be a timezone-aware datetime, got {value!r}")
 
 
 def _require_non_negative(what: str, value: int) -> None:
@@ -142,8 +138,8 @@ class SizingFacts:
     last_scale_up_time: datetime | None = None
 
     def __post_init__(self) -> None:
-        _require_aware("now", self.now)
-        _require_aware("last_scale_up_time", self.last_scale_up_time)
+        require_aware("now", self.now)
+        require_aware("last_scale_up_time", self.last_scale_up_time)
         _require_non_negative("queued_jobs", self.queued_jobs)
         if self.demand_annotation is not None:
             _require_non_negative("demand_annotation", self.demand_annotation)
@@ -151,7 +147,7 @@ class SizingFacts:
         if len(set(names)) != len(names):
             raise ValueError("VM names must be unique")
         for vm in self.vms:
-            _require_aware(f"VM {vm.name} created_at", vm.created_at)
+            require_aware(f"VM {vm.name} created_at", vm.created_at)
 
     def has_secret(self, vm: VM) -> bool:
         """The JIT Secret ``spec.runnerConfigSecret`` names exists."""
