@@ -48,7 +48,7 @@ from impvm.devstack.stack import (
     random_webhook_secret,
 )
 from impvm.devstack.standin import StandIn
-from impvm.devstack.standin.state import JobRec
+from impvm.devstack.standin.records import JobRec
 from impvm.github.webhooks import compute_signature
 from impvm.kube.admin import service_account_kubeconfig
 from impvm.kube.controlplane import free_port

@@ -17,7 +17,8 @@ from impvm.agent.process import ProcessRuntime
 from impvm.agent.runtime import ImageError, Secret
 from impvm.agent.signing import SignatureError, Verifier
 from impvm.devstack.registry import LocalRegistry
-from impvm.images.build import BuiltImage, ImageBuildError, copy_image
+from impvm.images.build import copy_image
+from impvm.images.options import BuiltImage, ImageBuildError
 from impvm.signing.cosign import SigningError, cosign_binary
 from tests.agent import hostile
 from tests.agent.hostile import directory, file, symlink

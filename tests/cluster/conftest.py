@@ -17,7 +17,8 @@ import pytest
 import pytest_asyncio
 
 from impvm.devstack.cluster import Cluster, ClusterConfig
-from impvm.images.build import RunnerSource, build_images, copy_image
+from impvm.images.build import build_images, copy_image
+from impvm.images.options import RunnerSource
 from tests.images.conftest import build_options
 
 #: the interpreter of the impvm images, which the stand-in runner's run.sh execs in the VM

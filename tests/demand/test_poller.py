@@ -15,7 +15,7 @@ from pydantic import SecretStr
 from impvm.api.times import as_clock
 from impvm.devstack.stack import make_private_key
 from impvm.devstack.standin import StandIn
-from impvm.devstack.standin.state import Failure
+from impvm.devstack.standin.records import Failure
 from impvm.github import AppCredentials, GitHubClient, RetryPolicy, Scope
 from impvm.github.errors import TransientError
 from impvm.operator.poller import InstallationPoller

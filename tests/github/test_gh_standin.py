@@ -271,7 +271,7 @@ async def test_a_runner_that_goes_silent_mid_job_goes_offline_and_its_job_fails(
     import httpx as _httpx
 
     from impvm.devstack.standin import StandIn
-    from impvm.devstack.standin.state import RunnerRec
+    from impvm.devstack.standin.records import RunnerRec
 
     s = StandIn()
     await s.start()

@@ -20,14 +20,13 @@ import pytest
 import pytest_asyncio
 
 from impvm.devstack.registry import DEFAULT_BINARY, LocalRegistry
-from impvm.images.build import (
+from impvm.images.build import build_images, copy_image
+from impvm.images.options import (
     DEFAULT_CACHE,
     DEFAULT_LOCK,
     BuildOptions,
     BuiltImage,
     RunnerSource,
-    build_images,
-    copy_image,
 )
 
 _MISSING = [t for t in ("mmdebstrap", "umoci", "skopeo", "podman") if not shutil.which(t)]

@@ -30,7 +30,7 @@ from lightkube.resources.core_v1 import Secret
 
 from impvm.api.resources import ImpVMResource
 from impvm.devstack.stack import NAMESPACE, POOL, Stack, StackConfig, wait_for
-from impvm.images.build import BuiltImage
+from impvm.images.options import BuiltImage
 
 pytestmark = [pytest.mark.controlplane]
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from impvm.agent.tools import run_tool
-from impvm.images.build import BuiltImage, build_images
+from impvm.images.build import build_images
+from impvm.images.options import BuiltImage
 
 from .conftest import build_options
 

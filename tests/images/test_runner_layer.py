@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from impvm.images.build import BuildOptions, RunnerChecksumError, RunnerSource, build_images
+from impvm.images.build import build_images
+from impvm.images.options import BuildOptions, RunnerSource
 from impvm.images.runner_inputs import runner_wrapper_script
+from impvm.images.runner_release import RunnerChecksumError
 
 from .conftest import lock_copy
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from impvm.images.build import BuildOptions, ImageBuildError, RunnerSource, build_images
+from impvm.images.build import build_images
+from impvm.images.options import BuildOptions, ImageBuildError, RunnerSource
 from tests.agent.hostile import Zeros
 
 from .conftest import lock_copy

@@ -17,7 +17,7 @@ from impvm.agent.qemu import create_qemu_runtime
 from impvm.agent.runtime import Secret, VMRequest
 from impvm.devstack.registry import LocalRegistry
 from impvm.devstack.standin import StandIn
-from impvm.devstack.standin.state import RunnerRec
+from impvm.devstack.standin.records import RunnerRec
 
 # What a job sees: the image's own Debian 12 and tools (not the host's: no host library directory
 # is shared, only the stand-in runner's interpreter and the impvm sources).

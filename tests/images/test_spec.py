@@ -12,28 +12,21 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from impvm.images.build import (
-    DEFAULT_LOCK,
-    RunnerChecksumError,
-    drop_device_nodes,
-    verify_runner_tarball,
-    write_tree_tar,
-)
-from impvm.images.spec import (
-    IMAGES,
-    ROOTS,
+from impvm.images.keys import input_key, root_key
+from impvm.images.lock import (
     LockError,
     WheelLock,
     dump_lock,
-    image_config_args,
-    input_key,
     load_lock,
     package_drift,
     parse_dpkg_list,
     requirements_with_hashes,
-    root_key,
     wheel_from_file,
 )
+from impvm.images.options import DEFAULT_LOCK
+from impvm.images.runner_release import RunnerChecksumError, verify_runner_tarball
+from impvm.images.spec import IMAGES, ROOTS, image_config_args
+from impvm.images.tarballs import drop_device_nodes, write_tree_tar
 
 names = st.text("abcdefgh-+.0123", min_size=1, max_size=8)
 versions = st.text("0123456789.:~+-a", min_size=1, max_size=8)

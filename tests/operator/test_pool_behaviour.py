@@ -29,7 +29,7 @@ from impvm.api.models import (
 )
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource, ImpVMTemplateResource
 from impvm.devstack.stack import APP_ID, INSTALLATION_ID, REPO, app_secret
-from impvm.devstack.standin.state import Failure
+from impvm.devstack.standin.records import Failure
 from impvm.github import RetryPolicy
 from impvm.operator.context import OperatorContext, OperatorSettings
 from impvm.operator.pool import PoolReconciler, runner_prefix

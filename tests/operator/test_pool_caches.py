@@ -23,7 +23,7 @@ from impvm.api.resources import (
     ImpVMTemplateResource,
 )
 from impvm.devstack.stack import REPO, example_scaling, pool_manifest
-from impvm.devstack.standin.state import Failure
+from impvm.devstack.standin.records import Failure
 from impvm.github import Scope
 from impvm.github.errors import GitHubError
 from impvm.operator.named import SECRET_VALUE_MAX_BYTES

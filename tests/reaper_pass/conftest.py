@@ -21,7 +21,7 @@ from impvm.api.models import API_VERSION, POOL_LABEL
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
 from impvm.devstack.stack import app_secret, make_private_key, pool_manifest
 from impvm.devstack.standin import StandIn
-from impvm.devstack.standin.state import JobRec, RunnerRec, RunRec
+from impvm.devstack.standin.records import JobRec, RunnerRec, RunRec
 from impvm.github import AppCredentials, GitHubClient, RetryPolicy
 from tests.support import standin_fixture
 

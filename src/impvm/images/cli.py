@@ -10,17 +10,17 @@ from typing import Annotated
 
 import typer
 
-from impvm.images.build import (
+from impvm.images.build import build_images, copy_image
+from impvm.images.lock import LockError
+from impvm.images.options import (
     DEFAULT_CACHE,
     DEFAULT_LOCK,
     BuildOptions,
     BuiltImage,
     ImageBuildError,
     RunnerSource,
-    build_images,
-    copy_image,
 )
-from impvm.images.spec import IMAGES, LockError
+from impvm.images.spec import IMAGES
 
 images_app = typer.Typer(help="Build the OCI images from Debian packages.", no_args_is_help=True)
 

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from impvm.agent.tools import run_tool
-from impvm.images.build import ImageBuildError
+from impvm.images.options import ImageBuildError
 
 #: the time every file and config of these images is stamped with (2020-01-01T00:00:00Z)
 EPOCH = "2020-01-01T00:00:00Z"

@@ -22,8 +22,10 @@ import socket
 
 from aiohttp import web
 
-from impvm.devstack.standin.server import build_app, emit_workflow_job
-from impvm.devstack.standin.state import JobRec, StandInState, WebhookTarget
+from impvm.devstack.standin.records import JobRec, WebhookTarget
+from impvm.devstack.standin.server import build_app
+from impvm.devstack.standin.state import StandInState
+from impvm.devstack.standin.webhooks import emit_workflow_job
 
 __all__ = ["StandIn", "StandInState", "serve"]
 
