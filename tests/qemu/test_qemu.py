@@ -14,7 +14,7 @@ from impvm.agent.images import ImageStore
 from impvm.agent.qemu import QemuRuntime
 from impvm.agent.runtime import Secret, VMRequest
 from impvm.devstack.standin import StandIn
-from impvm.devstack.standin.state import RunnerRec
+from impvm.devstack.standin.records import RunnerRec
 from tests.runtime_fixtures import (
     Images,
     files_containing,

@@ -12,7 +12,8 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from impvm.agent.qemu import VM_SLICE, _cached_choice, _probe_key, _write_choice, scope_prefix
+from impvm.agent.qemu.sandbox import VM_SLICE, scope_prefix
+from impvm.agent.qemu.startup import _cached_choice, _probe_key, _write_choice
 from impvm.agent.qemu_accel import AccelChoice
 from impvm.agent.survivor import AdoptedProcess, ProcessIdentity, SecretPrint, identity_of
 

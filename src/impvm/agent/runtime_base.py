@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
 from impvm.agent.guesttext import printable
-from impvm.agent.images import ImageStore, PreparedImage, _remove_tree
+from impvm.agent.images import ImageStore, PreparedImage
+from impvm.agent.images.tree import _remove_tree
 from impvm.agent.network.node import GuestNetwork, NodeNetwork
 from impvm.agent.network.ruleset import Kind
 from impvm.agent.runtime import RuntimeState, Secret, VMRequest, VMRuntimeError
