@@ -19,7 +19,8 @@ from impvm.devstack.standin.records import Failure
 from impvm.github import AppCredentials, GitHubClient, RetryPolicy, Scope
 from impvm.github.errors import TransientError
 from impvm.operator.poller import InstallationPoller
-from impvm.scaling.jobtable import Job, JobTable
+from impvm.scaling.jobs import Job
+from impvm.scaling.jobtable import JobTable
 from impvm.scaling.pollbudget import PollBudget, sweep_polls
 from tests.support import standin_fixture
 

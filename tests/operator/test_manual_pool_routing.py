@@ -14,7 +14,7 @@ import pytest
 from impvm.api.resources import ImpVMRunnerPoolResource
 from impvm.devstack.stack import REPO
 from impvm.operator.pool import PoolReconciler
-from impvm.scaling.jobtable import Job, PoolScope, candidates
+from impvm.scaling.jobs import Job, PoolScope, candidates
 from impvm.scaling.labels import PoolLabels
 from tests.operator.conftest import PoolEnv
 

@@ -37,7 +37,7 @@ from impvm.operator.context import OperatorContext, OperatorSettings
 from impvm.operator.credentials import GitHubProvider
 from impvm.operator.reaper import reap_pool
 from impvm.operator.webhooks import WebhookReceiver
-from impvm.scaling.jobtable import route
+from impvm.scaling.jobs import route
 from tests.operator.conftest import FakeClock
 from tests.tenants import POOL, Tenant, deliver, seed_app, signed, tenant
 

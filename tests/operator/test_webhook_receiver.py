@@ -20,7 +20,7 @@ from impvm.kube.controlplane import ControlPlane, free_port
 from impvm.operator import http as operator_http
 from impvm.operator.context import OperatorContext
 from impvm.operator.webhooks import WebhookReceiver
-from impvm.scaling.jobtable import PoolScope
+from impvm.scaling.jobs import PoolScope
 from impvm.scaling.labels import PoolLabels
 from impvm.scaling.poolpass import PoolMemory, PoolRoute
 

@@ -7,7 +7,8 @@ import datetime as dt
 from hypothesis import given
 from hypothesis import strategies as st
 
-from impvm.scaling.jobtable import Job, JobTable, JobTables, PoolScope, concerned, route, tied
+from impvm.scaling.jobs import Job, PoolScope, concerned, route, tied
+from impvm.scaling.jobtable import JobTable, JobTables
 from impvm.scaling.labels import PoolLabels
 
 T0 = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from impvm.api.models import AGENT_FINALIZER, TEMPLATE_HASH_ANNOTATION
 from impvm.api.patches import wire
-from impvm.scaling.jobtable import Job
+from impvm.scaling.jobs import Job
 from impvm.scaling.names import MAX_RUNNER_NAME, owns_runner_name, runner_prefix, vm_name
 from impvm.scaling.nodes import NodeLease
 from impvm.scaling.poolpass import (

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from impvm.api.conditions import merge_conditions
 from impvm.api.models import ImpVMRunnerPoolStatus
 from impvm.api.patches import wire
-from impvm.scaling.jobtable import Arrival, Job, JobTable, PoolScope
+from impvm.scaling.jobs import Arrival, Job, PoolScope
+from impvm.scaling.jobtable import JobTable
 from impvm.scaling.labels import PoolLabels
 from impvm.scaling.poolpass import PassConclusion, PoolActs, PoolMemory, PoolWorld, WarmPoolMemory
 from impvm.scaling.poolpass.warm import READY_RESOLUTION_SECONDS

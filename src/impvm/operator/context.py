@@ -22,7 +22,8 @@ from impvm.operator.poller import Pollers
 from impvm.operator.runners import RunnerDirectory
 from impvm.operator.scheduler import Scheduler
 from impvm.operator.sources import CachedSource
-from impvm.scaling.jobtable import JobTable, JobTables, PoolScope
+from impvm.scaling.jobs import PoolScope
+from impvm.scaling.jobtable import JobTable, JobTables
 from impvm.scaling.mintbudget import MintBudget
 from impvm.scaling.poolpass import PoolMemory
 from impvm.scaling.settings import PassSettings

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from impvm.github import GitHubClient, Scope, WorkflowJob, WorkflowRun
 from impvm.github.errors import NotFound
 from impvm.github.types import RunStatus
-from impvm.scaling.jobtable import Job
+from impvm.scaling.jobs import Job
 
 #: the run statuses a poll lists (a run's jobs are queued or in progress only in these)
 OPEN_RUN_STATUSES: tuple[RunStatus, ...] = ("queued", "in_progress")

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from prometheus_client import Counter, Gauge, Histogram
 
 from impvm.api.models import PoolKey
-from impvm.scaling.jobtable import Job, PoolScope, tied
+from impvm.scaling.jobs import Job, PoolScope, tied
 from impvm.scaling.poolpass import Counts
 
 log = logging.getLogger("impvm.operator.routing")

@@ -30,7 +30,7 @@ from impvm.operator.context import OperatorContext
 from impvm.operator.credentials import scope_of
 from impvm.operator.execute import failure_of
 from impvm.operator.verify import VerifyKeyError, secret_of, verify_key
-from impvm.scaling.jobtable import PoolScope
+from impvm.scaling.jobs import PoolScope
 from impvm.scaling.labels import PoolLabels
 from impvm.scaling.poolpass import (
     ClassObj,

@@ -22,7 +22,7 @@ A scope no pool asked for during ``forget_seconds`` is dropped (its pools are go
 poll).
 
 A poll that records a change of a job (a new queued job, one taken by a runner, one completed)
-wakes the pools it concerns (:func:`impvm.scaling.jobtable.concerned`), except the pools
+wakes the pools it concerns (:func:`impvm.scaling.jobs.concerned`), except the pools
 waiting for that poll (they read the job table when it answers them): a job one pool's poll
 finds for another pool of the installation is acted on at once, not at that pool's next tick.
 """
@@ -44,7 +44,8 @@ from impvm.github.auth import CredentialIdentity
 from impvm.github.errors import GitHubError
 from impvm.operator.demand import RepoMemory, RepoRead, read_repo, scope_repositories
 from impvm.operator.metrics import POLL_CALLS, note_routing
-from impvm.scaling.jobtable import Job, JobTable, JobTables, PoolScope, concerned
+from impvm.scaling.jobs import Job, PoolScope, concerned
+from impvm.scaling.jobtable import JobTable, JobTables
 from impvm.scaling.pollbudget import Bucket, PollBudget, RateWindow, choose_repos
 
 __all__ = ["DEFAULT_INSTALLATION_LIMIT", "InstallationPoller", "PollReport", "Pollers"]

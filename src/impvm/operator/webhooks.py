@@ -41,7 +41,7 @@ from impvm.github.webhooks import (
 from impvm.operator.context import OperatorContext
 from impvm.operator.http import answer, body_of
 from impvm.operator.metrics import note_routing
-from impvm.scaling.jobtable import Job, PoolScope, concerned, route
+from impvm.scaling.jobs import Job, PoolScope, concerned, route
 
 log = logging.getLogger("impvm.operator.webhooks")
 

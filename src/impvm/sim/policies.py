@@ -23,7 +23,7 @@ from impvm.api.conditions import merge_conditions
 from impvm.api.models import ImpVMRunnerPoolSpec, ImpVMRunnerPoolStatus, ScalingSpec
 from impvm.api.patches import wire
 from impvm.api.vm import VM
-from impvm.scaling.jobtable import Arrival
+from impvm.scaling.jobs import Arrival
 from impvm.scaling.poolpass import (
     ActsDone,
     ClassObj,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass, field
 
-from impvm.scaling.jobtable import PoolScope
+from impvm.scaling.jobs import PoolScope
 from impvm.scaling.timings import TimingWindow
 from impvm.scaling.warmpool import WarmPoolState
 

@@ -14,7 +14,7 @@ import datetime as dt
 from impvm.api.models import ImpVMStatus, JobStatus, RunnerStatus, VMTimings
 from impvm.api.patches import whole_seconds
 from impvm.api.vm import VM
-from impvm.scaling.jobtable import Job
+from impvm.scaling.jobs import Job
 from impvm.scaling.poolpass.acts import PatchVMStatus
 from impvm.scaling.poolpass.world import PoolWorld, RunnerView
 

@@ -22,7 +22,7 @@ from impvm.api.models import (
 )
 from impvm.api.times import parse_time
 from impvm.api.vm import VM
-from impvm.scaling.jobtable import Arrival, Job
+from impvm.scaling.jobs import Arrival, Job
 from impvm.scaling.names import runner_prefix
 from impvm.scaling.nodes import NodeLease
 from impvm.scaling.poolpass.answers import (
