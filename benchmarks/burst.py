@@ -30,7 +30,9 @@ from pathlib import Path
 from lightkube.types import PatchType
 
 from impvm.api.resources import ImpVMRunnerPoolResource
-from impvm.devstack.stack import NAMESPACE, POOL, Stack, StackConfig, wait_for
+from impvm.devstack.devconfig import StackConfig
+from impvm.devstack.seed import NAMESPACE, POOL
+from impvm.devstack.stack import Stack, wait_for
 
 JIT_PATH = "/orgs/{org}/actions/runners/generate-jitconfig"
 RUNNER_PATH = "/orgs/{org}/actions/runners/{runner_id}"

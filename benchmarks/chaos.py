@@ -66,17 +66,10 @@ from aiohttp import web
 from lightkube.types import PatchType
 
 from impvm.api.resources import ImpVMRunnerPoolResource
+from impvm.devstack.devconfig import StackConfig
 from impvm.devstack.leaks import Recorder, haystack, leaked
-from impvm.devstack.stack import (
-    INSTALLATION_ID,
-    NAMESPACE,
-    ORG,
-    POOL,
-    REPO,
-    Stack,
-    StackConfig,
-    wait_for,
-)
+from impvm.devstack.seed import INSTALLATION_ID, NAMESPACE, ORG, POOL, REPO
+from impvm.devstack.stack import Stack, wait_for
 from impvm.kube.controlplane import free_port
 
 MAX_CONCURRENT = 4

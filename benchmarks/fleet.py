@@ -50,7 +50,9 @@ from lightkube.resources.core_v1 import Namespace, Secret
 
 from impvm.api.models import DEMAND_ANNOTATION
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.devstack.stack import NAMESPACE, ORG, REPO, Stack, StackConfig, wait_for
+from impvm.devstack.devconfig import StackConfig
+from impvm.devstack.seed import NAMESPACE, ORG, REPO
+from impvm.devstack.stack import Stack, wait_for
 
 POOL_LABEL = "imp.dev/runner-pool"
 CLK_TCK = os.sysconf("SC_CLK_TCK")

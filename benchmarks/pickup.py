@@ -111,7 +111,7 @@ class Tracer:
 
     async def _watch(self) -> None:
         from impvm.api.resources import ImpVMResource
-        from impvm.devstack.stack import NAMESPACE
+        from impvm.devstack.seed import NAMESPACE
 
         kube = self.stack.kube
         while True:
@@ -258,7 +258,7 @@ class Measure:
     rng: random.Random = field(default_factory=lambda: random.Random(1))
 
     async def pool_vms(self) -> list[dict[str, Any]]:
-        from impvm.devstack.stack import POOL
+        from impvm.devstack.seed import POOL
 
         return [
             v
@@ -270,7 +270,7 @@ class Measure:
         from lightkube.types import PatchType
 
         from impvm.api.resources import ImpVMRunnerPoolResource
-        from impvm.devstack.stack import NAMESPACE, POOL
+        from impvm.devstack.seed import NAMESPACE, POOL
 
         await self.stack.kube.patch(
             ImpVMRunnerPoolResource,
@@ -295,7 +295,8 @@ class Measure:
 
     async def wait_warm(self) -> None:
         """A runner of the pool online at the stand-in, not busy, with no job yet."""
-        from impvm.devstack.stack import POOL, wait_for
+        from impvm.devstack.seed import POOL
+        from impvm.devstack.stack import wait_for
 
         s = self.stack
 
@@ -310,7 +311,8 @@ class Measure:
         await wait_for("an idle runner online", warm, self.args.timeout, s, 0.25)
 
     async def one_job(self, i: int) -> Any:
-        from impvm.devstack.stack import REPO, wait_for
+        from impvm.devstack.seed import REPO
+        from impvm.devstack.stack import wait_for
 
         s = self.stack
         job = s.standin.queue_job(
@@ -348,7 +350,7 @@ class Measure:
         return {k: round(v - job.created_at, 3) for k, v in at.items()}
 
     async def demand(self, demand: str) -> dict[str, Any]:
-        from impvm.devstack.stack import POOL
+        from impvm.devstack.seed import POOL
 
         s, a, tr = self.stack, self.args, self.tracer
         assert tr is not None
@@ -401,7 +403,9 @@ class Measure:
         return out
 
     async def run(self) -> list[dict[str, Any]]:
-        from impvm.devstack.stack import POOL, Stack, StackConfig, wait_for
+        from impvm.devstack.devconfig import StackConfig
+        from impvm.devstack.seed import POOL
+        from impvm.devstack.stack import Stack, wait_for
 
         a = self.args
         wd = Path(tempfile.mkdtemp(prefix="impvm-pickup-"))

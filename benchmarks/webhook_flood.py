@@ -52,7 +52,7 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.devstack.stack import (
+from impvm.devstack.seed import (
     APP_ID,
     INSTALLATION_ID,
     app_secret,

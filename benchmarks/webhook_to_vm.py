@@ -31,7 +31,9 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Secret
 
 from impvm.api.resources import ImpVMResource
-from impvm.devstack.stack import NAMESPACE, ORG, REPO, Stack, StackConfig, wait_for
+from impvm.devstack.devconfig import StackConfig
+from impvm.devstack.seed import NAMESPACE, ORG, REPO
+from impvm.devstack.stack import Stack, wait_for
 
 
 def payload(job_id: int, labels: list[str]) -> bytes:

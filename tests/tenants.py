@@ -39,7 +39,7 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.devstack.stack import (
+from impvm.devstack.seed import (
     INSTALLATION_PERMISSIONS,
     RUNNER_GROUP,
     app_secret,

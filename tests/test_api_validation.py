@@ -24,7 +24,7 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.devstack.stack import example_scaling, pool_manifest
+from impvm.devstack.seed import example_scaling, pool_manifest
 from impvm.kube.controlplane import ControlPlane
 from impvm.scaling.warmpool import WarmPoolPolicy, WarmPoolState
 from tests.conftest import REPO

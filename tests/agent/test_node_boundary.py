@@ -50,7 +50,7 @@ from impvm.api.resources import ImpVMClassResource, ImpVMResource
 from impvm.kube.admin import admin_client, install_crds, node_bound_token, pod_bound_token
 from impvm.kube.controlplane import ControlPlane
 from impvm.kube.events import EventRecorder
-from impvm.up.service import policy_manifest, rbac_manifest
+from impvm.up.manifests import policy_manifest, rbac_manifest
 from tests.runtime_fixtures import Images
 
 pytestmark = [pytest.mark.controlplane]

@@ -36,7 +36,7 @@ from lightkube.resources.core_v1 import Node, Secret
 from impvm.agent.process import host_python_binds
 from impvm.api.resources import ImpVMRunnerPoolResource
 from impvm.devstack.registry import LocalRegistry
-from impvm.devstack.stack import make_private_key, seed_github
+from impvm.devstack.seed import make_private_key, seed_github
 from impvm.devstack.standin import StandIn
 from impvm.devstack.testimages import build_test_images
 from impvm.kube.controlplane import ControlPlane, free_port

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from impvm.devstack.cluster import Cluster
-from impvm.devstack.stack import make_private_key, seed_github
+from impvm.devstack.seed import make_private_key, seed_github
 from impvm.devstack.standin import StandIn
 from tests.chart import test_readme as readme
 from tests.cluster.conftest import ClusterImages

@@ -17,7 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from impvm.devstack.stack import INSTALLATION_ID, ORG, POOL, REPO, Stack, StackConfig, wait_for
+from impvm.devstack.devconfig import StackConfig
+from impvm.devstack.seed import INSTALLATION_ID, ORG, POOL, REPO
+from impvm.devstack.stack import Stack, wait_for
 from impvm.github import AppCredentials, GitHubClient, Scope
 from impvm.scaling.settings import PassSettings
 from tests.github.gh_support import webhook_examples

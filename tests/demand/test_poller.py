@@ -13,7 +13,7 @@ import pytest
 from pydantic import SecretStr
 
 from impvm.api.times import as_clock
-from impvm.devstack.stack import make_private_key
+from impvm.devstack.seed import make_private_key
 from impvm.devstack.standin import StandIn
 from impvm.devstack.standin.records import Failure
 from impvm.github import AppCredentials, GitHubClient, RetryPolicy, Scope

@@ -14,7 +14,9 @@ import pytest
 from lightkube.types import PatchType
 
 from impvm.api.resources import ImpVMRunnerPoolResource
-from impvm.devstack.stack import NAMESPACE, Stack, StackConfig, wait_for
+from impvm.devstack.devconfig import StackConfig
+from impvm.devstack.seed import NAMESPACE
+from impvm.devstack.stack import Stack, wait_for
 
 pytestmark = [pytest.mark.controlplane]
 

@@ -20,7 +20,9 @@ from lightkube.types import PatchType
 
 from impvm.api.resources import ImpVMTemplateResource
 from impvm.api.times import parse_time
-from impvm.devstack.stack import NAMESPACE, Stack, StackConfig, wait_for
+from impvm.devstack.devconfig import StackConfig
+from impvm.devstack.seed import NAMESPACE
+from impvm.devstack.stack import Stack, wait_for
 from impvm.devstack.testimages import build_runner_layer_image
 
 pytestmark = [pytest.mark.controlplane]

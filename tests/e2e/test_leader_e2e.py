@@ -15,7 +15,8 @@ import pytest
 from lightkube.resources.coordination_v1 import Lease
 
 from impvm.api.models import AGENT_LEASE_NAMESPACE
-from impvm.devstack.stack import Stack, StackConfig, wait_for
+from impvm.devstack.devconfig import StackConfig
+from impvm.devstack.stack import Stack, wait_for
 from impvm.kube.controlplane import free_port
 from impvm.operator.leader import LEADER_URL_ANNOTATION
 

@@ -16,7 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from impvm.api.resources import ImpVMRunnerPoolResource
-from impvm.devstack.stack import NAMESPACE, POOL, Stack, StackConfig, wait_for
+from impvm.devstack.devconfig import StackConfig
+from impvm.devstack.seed import NAMESPACE, POOL
+from impvm.devstack.stack import Stack, wait_for
 from impvm.github.webhooks import compute_signature
 from tests.metric_families import exported_families
 

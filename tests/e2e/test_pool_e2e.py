@@ -15,15 +15,10 @@ from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Event, Secret
 
+from impvm.devstack.devconfig import StackConfig
 from impvm.devstack.leaks import Recorder
-from impvm.devstack.stack import (
-    CREDENTIALS_SECRET,
-    NAMESPACE,
-    RUNNER_GROUP,
-    Stack,
-    StackConfig,
-    wait_for,
-)
+from impvm.devstack.seed import CREDENTIALS_SECRET, NAMESPACE, RUNNER_GROUP
+from impvm.devstack.stack import Stack, wait_for
 
 pytestmark = [pytest.mark.controlplane]
 

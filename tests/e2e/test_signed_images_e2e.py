@@ -19,8 +19,10 @@ from lightkube.resources.core_v1 import Event, Secret
 
 from impvm.api.models import POOL_LABEL
 from impvm.api.resources import ImpVMClassResource, ImpVMResource, ImpVMTemplateResource
+from impvm.devstack.devconfig import StackConfig
+from impvm.devstack.seed import NAMESPACE
 from impvm.devstack.signing import generate_key_pair, sign_image
-from impvm.devstack.stack import NAMESPACE, Stack, StackConfig, wait_for
+from impvm.devstack.stack import Stack, wait_for
 from impvm.signing.cosign import SigningError, cosign_binary
 
 pytestmark = [pytest.mark.controlplane]

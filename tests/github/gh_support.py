@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from impvm.devstack.stack import make_private_key
+from impvm.devstack.seed import make_private_key
 from impvm.devstack.standin import StandIn
 
 APP_ID = 4242

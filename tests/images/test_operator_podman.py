@@ -29,7 +29,9 @@ from lightkube.codecs import load_all_yaml
 from lightkube.resources.core_v1 import Secret
 
 from impvm.api.resources import ImpVMResource
-from impvm.devstack.stack import NAMESPACE, POOL, Stack, StackConfig, wait_for
+from impvm.devstack.devconfig import StackConfig
+from impvm.devstack.seed import NAMESPACE, POOL
+from impvm.devstack.stack import Stack, wait_for
 from impvm.images.options import BuiltImage
 
 pytestmark = [pytest.mark.controlplane]

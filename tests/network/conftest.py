@@ -33,7 +33,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from impvm.agent.network.node import NodeNetwork
-from impvm.agent.network.ruleset import NetConfig
+from impvm.agent.network.plan import NetConfig
 from impvm.devstack.netns import (
     GUEST_RANGES,
     INTERNET_RANGES,

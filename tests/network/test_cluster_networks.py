@@ -25,7 +25,7 @@ from lightkube.types import PatchType
 
 from impvm.agent.network.cluster import ClusterWatch, from_settings
 from impvm.agent.network.node import NodeNetwork
-from impvm.agent.network.ruleset import NetConfig
+from impvm.agent.network.plan import NetConfig
 from impvm.devstack.netns import GUEST_RANGES, pick_subnet, run_token
 from impvm.kube.admin import admin_client, service_account_kubeconfig
 from impvm.kube.controlplane import ControlPlane

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from impvm.agent.network.node import NetworkError, NodeNetwork
+from impvm.agent.network.plan import Attachment, NetConfig
 from impvm.agent.network.policy import (
     DEFAULT_LAYER,
     Allow,
@@ -19,7 +20,7 @@ from impvm.agent.network.policy import (
     layer_verdict,
     names_protected,
 )
-from impvm.agent.network.ruleset import Attachment, NetConfig, render
+from impvm.agent.network.ruleset import render
 from impvm.devstack.netns import GUEST_RANGES, pick_subnet
 
 from .conftest import World, connect_error, dns_probe, kernel_log, nc_probe, policy_off, sh

@@ -23,6 +23,7 @@ from impvm.agent.network.cluster import (
     split_resolvers,
 )
 from impvm.agent.network.node import parse_resolvers
+from impvm.agent.network.plan import Attachment, NetConfig, NetConfigError, free_slot
 from impvm.agent.network.policy import (
     BLOCKED_RANGES,
     DEFAULT_LAYER,
@@ -35,10 +36,6 @@ from impvm.agent.network.policy import (
 )
 from impvm.agent.network.ruleset import (
     LOG_PREFIX_MAX,
-    Attachment,
-    NetConfig,
-    NetConfigError,
-    free_slot,
     log_prefix,
     merge_ports,
     render,

@@ -26,7 +26,7 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.devstack.stack import (
+from impvm.devstack.seed import (
     APP_ID,
     CREDENTIALS_SECRET,
     INSTALLATION_ID,

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from impvm.api.resources import ImpVMRunnerPoolResource
-from impvm.devstack.stack import REPO
+from impvm.devstack.seed import REPO
 from impvm.operator.pool import PoolReconciler
 from impvm.scaling.jobs import Job, PoolScope, candidates
 from impvm.scaling.labels import PoolLabels

@@ -9,7 +9,7 @@ import pytest
 
 from impvm.api.models import PoolKey
 from impvm.api.resources import ImpVMRunnerPoolResource
-from impvm.devstack.stack import REPO, example_scaling, pool_manifest
+from impvm.devstack.seed import REPO, example_scaling, pool_manifest
 from impvm.operator.pool import PoolReconciler
 from tests.operator.conftest import POOL, TEMPLATE, PoolEnv
 

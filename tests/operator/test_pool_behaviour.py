@@ -28,7 +28,7 @@ from impvm.api.models import (
     Platform,
 )
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource, ImpVMTemplateResource
-from impvm.devstack.stack import APP_ID, INSTALLATION_ID, REPO, app_secret
+from impvm.devstack.seed import APP_ID, INSTALLATION_ID, REPO, app_secret
 from impvm.devstack.standin.records import Failure
 from impvm.github import RetryPolicy
 from impvm.operator.context import OperatorContext, OperatorSettings

@@ -22,7 +22,7 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.devstack.stack import REPO, example_scaling, pool_manifest
+from impvm.devstack.seed import REPO, example_scaling, pool_manifest
 from impvm.devstack.standin.records import Failure
 from impvm.github import Scope
 from impvm.github.errors import GitHubError

@@ -31,7 +31,7 @@ from pydantic import SecretStr
 
 from impvm.api.models import API_VERSION, POOL_LABEL
 from impvm.api.resources import ImpVMResource
-from impvm.devstack.stack import APP_ID, INSTALLATION_ID, ORG, REPO
+from impvm.devstack.seed import APP_ID, INSTALLATION_ID, ORG, REPO
 from impvm.devstack.standin.records import Failure
 from impvm.devstack.standin_runner import decode_jitconfig
 from impvm.github import AppCredentials, GitHubClient, Scope

@@ -24,7 +24,7 @@ from lightkube.types import PatchType
 
 from impvm.api.models import POOL_LABEL
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.devstack.stack import REPO, example_scaling, pool_manifest
+from impvm.devstack.seed import REPO, example_scaling, pool_manifest
 from impvm.devstack.standin_runner import decode_jitconfig
 from impvm.kube.controlplane import free_port
 from impvm.operator.pool import PoolReconciler

@@ -19,7 +19,7 @@ from lightkube.types import PatchType
 
 from impvm.api.models import POOL_LABEL
 from impvm.api.resources import ImpVMResource
-from impvm.devstack.stack import REPO
+from impvm.devstack.seed import REPO
 from impvm.operator.context import OperatorContext
 from impvm.operator.pool import PoolReconciler
 from tests.operator.conftest import FakeClock, PoolEnv, operator_context

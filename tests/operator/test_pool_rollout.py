@@ -11,7 +11,7 @@ import pytest
 from lightkube.types import PatchType
 
 from impvm.api.resources import ImpVMTemplateResource
-from impvm.devstack.stack import REPO
+from impvm.devstack.seed import REPO
 from impvm.operator.pool import PoolReconciler
 from tests.operator.conftest import BASE_IMAGE, POOL, TEMPLATE, PoolEnv
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from impvm.devstack.stack import REPO
+from impvm.devstack.seed import REPO
 from tests.operator.conftest import PoolEnv
 
 pytestmark = [pytest.mark.controlplane]

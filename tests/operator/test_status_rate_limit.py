@@ -11,7 +11,7 @@ from lightkube.types import PatchType
 from impvm.api.resources import ImpVMRunnerPoolResource
 from impvm.commands.status import read_snapshot
 from impvm.commands.statusview import summarize
-from impvm.devstack.stack import APP_ID, INSTALLATION_ID, REPO, app_secret
+from impvm.devstack.seed import APP_ID, INSTALLATION_ID, REPO, app_secret
 from impvm.operator.pool import PoolReconciler
 from tests.operator.conftest import POOL, PoolEnv
 

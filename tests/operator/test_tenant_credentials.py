@@ -19,7 +19,7 @@ from lightkube.config.kubeconfig import KubeConfig
 from lightkube.resources.core_v1 import Secret
 from lightkube.types import PatchType
 
-from impvm.devstack.stack import make_private_key
+from impvm.devstack.seed import make_private_key
 from impvm.devstack.standin import StandIn
 from impvm.github import RetryPolicy
 from impvm.kube.controlplane import ControlPlane

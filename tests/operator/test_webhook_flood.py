@@ -33,7 +33,7 @@ from impvm.api.resources import (
     ImpVMRunnerPoolResource,
     ImpVMTemplateResource,
 )
-from impvm.devstack.stack import app_secret, pool_manifest
+from impvm.devstack.seed import app_secret, pool_manifest
 from impvm.devstack.standin import StandIn
 from impvm.github.webhooks import compute_signature
 from impvm.kube.controlplane import ControlPlane

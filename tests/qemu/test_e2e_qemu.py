@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from impvm.devstack.stack import Stack, StackConfig
+from impvm.devstack.devconfig import StackConfig
+from impvm.devstack.stack import Stack
 from tests.e2e import test_pool_e2e as e2e
 
 pytestmark = [pytest.mark.controlplane]

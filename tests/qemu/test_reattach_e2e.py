@@ -20,7 +20,9 @@ from lightkube.resources.core_v1 import Event
 
 from impvm.agent.qemu import read_record
 from impvm.agent.survivor import identity_of
-from impvm.devstack.stack import NAMESPACE, Stack, StackConfig, wait_for
+from impvm.devstack.devconfig import StackConfig
+from impvm.devstack.seed import NAMESPACE
+from impvm.devstack.stack import Stack, wait_for
 
 pytestmark = [pytest.mark.controlplane]
 

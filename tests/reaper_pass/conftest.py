@@ -19,7 +19,7 @@ from pydantic import SecretStr
 
 from impvm.api.models import API_VERSION, POOL_LABEL
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
-from impvm.devstack.stack import app_secret, make_private_key, pool_manifest
+from impvm.devstack.seed import app_secret, make_private_key, pool_manifest
 from impvm.devstack.standin import StandIn
 from impvm.devstack.standin.records import JobRec, RunnerRec, RunRec
 from impvm.github import AppCredentials, GitHubClient, RetryPolicy

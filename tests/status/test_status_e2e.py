@@ -20,7 +20,9 @@ import pytest
 
 from impvm.api.models import POOL_LABEL
 from impvm.api.resources import ImpVMClassResource, ImpVMTemplateResource
-from impvm.devstack.stack import NAMESPACE, POOL, Stack, StackConfig, wait_for
+from impvm.devstack.devconfig import StackConfig
+from impvm.devstack.seed import NAMESPACE, POOL
+from impvm.devstack.stack import Stack, wait_for
 
 pytestmark = [pytest.mark.controlplane]
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from impvm.devstack.stack import make_private_key
-from impvm.up.config import APP_SECRET, WEBHOOK_SECRET, ConfigError, load_config, parse_config
+from impvm.devstack.seed import make_private_key
+from impvm.up.config import APP_SECRET, WEBHOOK_SECRET, ConfigError
+from impvm.up.loader import load_config, parse_config
 
 
 @pytest.fixture(scope="module")

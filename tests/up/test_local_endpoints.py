@@ -40,11 +40,12 @@ import pytest
 import yaml
 from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding
 
-from impvm.devstack.stack import dev_config, make_private_key, random_webhook_secret, seed_github
+from impvm.devstack.devconfig import dev_config
+from impvm.devstack.seed import make_private_key, random_webhook_secret, seed_github
 from impvm.devstack.standin import StandIn
 from impvm.kube.admin import admin_client
 from impvm.kube.controlplane import free_port, write_private
-from impvm.up.config import load_config
+from impvm.up.loader import load_config
 from impvm.up.service import Service
 
 pytestmark = [pytest.mark.controlplane]

@@ -30,12 +30,12 @@ from lightkube.config.kubeconfig import KubeConfig
 from lightkube.resources.core_v1 import Event, Secret
 
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
+from impvm.devstack.devconfig import dev_config
 from impvm.devstack.registry import LocalRegistry
-from impvm.devstack.stack import (
+from impvm.devstack.seed import (
     NAMESPACE,
     POOL,
     REPO,
-    dev_config,
     make_private_key,
     random_webhook_secret,
     seed_github,

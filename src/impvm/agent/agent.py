@@ -26,45 +26,35 @@ deleted VM is stopped and its files removed before the finalizer is released.
 
 Memory is bounded by the VMs this node works on: a VM's worker and per-VM state go once
 ``decide`` says the VM needs nothing more (``forget``).
+
+Beside it: :mod:`impvm.agent.steps` carries the steps out (runtime and API),
+:mod:`impvm.agent.vmrequest` builds what the runtime is asked for, :mod:`impvm.agent.lease`
+builds and applies the Lease.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
-from lightkube.models.coordination_v1 import LeaseSpec
-from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.coordination_v1 import Lease
-from lightkube.types import PatchType
 
 from impvm.agent import lifecycle as lc
 from impvm.agent import metrics
 from impvm.agent.capacity import ZERO, Resources, total
-from impvm.agent.doctor import lease_value
-from impvm.agent.jitsource import JitSource, JitSourceError
-from impvm.agent.network.policy import EgressLayer, egress_layers
-from impvm.agent.runtime import (
-    ImageError,
-    Runtime,
-    RuntimeState,
-    Secret,
-    VMRequest,
-    VMRuntimeError,
-)
-from impvm.agent.signing import SignatureError, verification
+from impvm.agent.jitsource import JitSource
+from impvm.agent.lease import agent_lease, apply_lease, keep_renewing
+from impvm.agent.runtime import Runtime, RuntimeState
+from impvm.agent.steps import StepRunner, VMLocal
+from impvm.agent.vmrequest import request_for, vm_request, vm_size
 from impvm.api.models import (
     AGENT_FINALIZER,
     AGENT_LEASE_NAMESPACE,
-    AGENT_LEASE_PREFIX,
-    API_VERSION,
     ImpVMClass,
     ImpVMClassSpec,
 )
@@ -73,7 +63,6 @@ from impvm.api.times import utcnow
 from impvm.api.vm import VM
 from impvm.kube.events import EventRecorder
 from impvm.kube.watchcache import Key, WatchCache
-from impvm.telemetry.vm_metrics import record_phase
 
 log = logging.getLogger("impvm.agent")
 
@@ -108,27 +97,6 @@ class _Worker:
 
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
-
-
-@dataclass
-class _Local:
-    """What the shell keeps about one VM between decisions: the facts ``decide`` sees, the
-    last request built for it (to clean up a VM that is gone) and its size when last known (a
-    VM whose class was deleted still occupies what it was given)."""
-
-    facts: lc.LocalFacts = field(default_factory=lc.LocalFacts)
-    request: VMRequest | None = None
-    size: Resources | None = None
-
-
-def _size(vm: VM, spec: ImpVMClassSpec | None) -> Resources | None:
-    """The size a VM runs at: the one the operator bound it with (annotation
-    ``imp.dev/bound-size``), else its class's; None while its class is missing (a VM is never
-    started without its class, whose network policy it needs)."""
-    if spec is None:
-        return None
-    bound = vm.bound_size
-    return Resources(*bound) if bound is not None else Resources(spec.vcpu, spec.memory_mib)
 
 
 def _parse_class(raw: dict[str, Any]) -> ImpVMClassSpec:
@@ -181,7 +149,17 @@ class Agent:
             name="impvmclasses",
         )
         self._workers: dict[Key, _Worker] = {}
-        self._local: dict[Key, _Local] = {}
+        self._local: dict[Key, VMLocal] = {}
+        self._steps = StepRunner(
+            client,
+            runtime,
+            jit,
+            self.events,
+            self.mine,
+            self._local,
+            node,
+            self.record_capacity,
+        )
         self._admit_lock = asyncio.Lock()
         self._ready = False
         self._early: set[Key] = set()
@@ -205,7 +183,8 @@ class Agent:
                 await asyncio.sleep(1.0)
         caches = (self.classes, self.mine)
         tasks = [asyncio.create_task(c.run(), name=c.name) for c in caches]
-        tasks.append(asyncio.create_task(self._lease_loop(), name="lease"))
+        renewing = keep_renewing(self._renew_lease, self.config.lease_renew_seconds)
+        tasks.append(asyncio.create_task(renewing, name="lease"))
         try:
             await asyncio.gather(*(c.synced.wait() for c in caches))
             await self._sweep_stale()
@@ -233,48 +212,26 @@ class Agent:
             if d.name in live:
                 continue
             ns, _, rest = d.name.partition(".")  # vm_id: <namespace>.<name>.<uid[:8]>
-            stale = self._request_for(d.name, ns, rest.rsplit(".", 1)[0], ZERO, None, d)
+            stale = request_for(d.name, ns, rest.rsplit(".", 1)[0], ZERO, None, d)
             log.info("removing state of VM %s left by a previous agent run", d.name)
             await self.runtime.stop(stale, 0.0)
             await self.runtime.cleanup(stale)
 
-    async def _lease_loop(self) -> None:
-        """Renew the Lease every ``lease_renew_seconds``; a failure is retried next time."""
-        while True:
-            await asyncio.sleep(self.config.lease_renew_seconds)
-            try:
-                await self._renew_lease()
-            except Exception as e:  # keep renewing; the next try may work
-                log.warning("lease renewal failed: %s", e)
-
     async def _renew_lease(self) -> None:
         """Apply the Lease with this node's capacity, runtime and accelerator."""
         c = self.config
-        used = self.record_capacity()
-        annotations = {
-            "imp.dev/vcpu": str(c.capacity.vcpu),
-            "imp.dev/memory-mib": str(c.capacity.memory_mib),
-            "imp.dev/vcpu-used": str(used.vcpu),
-            "imp.dev/memory-mib-used": str(used.memory_mib),
-            "imp.dev/runtime": self.runtime.name,
-            "imp.dev/accelerator": c.accelerator,
-            "imp.dev/workdir": str(c.workdir),
-            "imp.dev/preflight": lease_value(self.preflight),
-        }
-        body = Lease(
-            metadata=ObjectMeta(
-                name=AGENT_LEASE_PREFIX + c.node_name,
-                namespace=c.lease_namespace,
-                annotations=annotations,
-                labels={"app.kubernetes.io/name": "impvm-agent"},
-            ),
-            spec=LeaseSpec(
-                holderIdentity=c.node_name,
-                leaseDurationSeconds=c.lease_duration_seconds,
-                renewTime=dt.datetime.now(dt.UTC),
-            ),
+        lease = agent_lease(
+            c.node_name,
+            c.lease_namespace,
+            c.lease_duration_seconds,
+            capacity=c.capacity,
+            used=self.record_capacity(),
+            runtime=self.runtime.name,
+            accelerator=c.accelerator,
+            workdir=c.workdir,
+            preflight=self.preflight,
         )
-        await self.client.apply(body, field_manager="impvm-agent", force=True)
+        await apply_lease(self.client, lease)
 
     async def _resync_loop(self) -> None:
         """Every ``resync_seconds``, wake every cached VM (no API request): a safety net for a
@@ -341,15 +298,16 @@ class Agent:
     async def _decide_and_act(self, key: Key, vm: VM | None) -> lc.VMSteps | None:
         """Build the observation of one VM (caches, its class, the runtime, what this agent did),
         decide, and carry the action out; forget the VM's state when the action says so."""
-        local = self._local.setdefault(key, _Local())
+        local = self._local.setdefault(key, VMLocal())
         node = self.config.node_name
         spec = self.classes.get(("", vm.class_name)) if vm is not None else None
-        size = _size(vm, spec) if vm is not None else None
+        size = vm_size(vm, spec) if vm is not None else None
         if size is not None:
             local.size = size
         req = local.request
         if vm is not None and vm.node_name == node:
-            req = local.request = self._request(vm, spec, local.size)
+            workdir = self.config.workdir / "vms" / vm.vm_id
+            req = local.request = vm_request(vm, spec, local.size, workdir)
         state = await self.runtime.inspect(req) if req is not None else RuntimeState("missing")
         obs = lc.VMObservation(
             node=node,
@@ -365,7 +323,7 @@ class Agent:
         )
         action = lc.next_steps(obs)
         log.debug("vm %s/%s: %s %s", *key, action.why, [type(s).__name__ for s in action.steps])
-        done = await self._execute(key, vm, req, action)
+        done = await self._steps.execute(key, vm, req, action)
         if done and action.forget:
             self._local.pop(key, None)
         return action if done else None
@@ -385,7 +343,7 @@ class Agent:
             if vm.key == exclude or not vm.holds_capacity(self.config.node_name):
                 continue
             local = self._local.get(vm.key)
-            size = _size(vm, self.classes.get(("", vm.class_name)))
+            size = vm_size(vm, self.classes.get(("", vm.class_name)))
             if vm.bound_size is not None:
                 size = Resources(*vm.bound_size)  # counted even once its class is gone
             if size is None and local is not None:
@@ -393,210 +351,3 @@ class Agent:
             if size is not None:
                 sizes.append(size)
         return total(sizes)
-
-    async def _execute(
-        self, key: Key, vm: VM | None, req: VMRequest | None, action: lc.VMSteps
-    ) -> bool:
-        """Carry out the steps in order; False when one failed (the rest is left undone). An
-        action runs to its end even when the agent is being stopped (its steps belong
-        together: report, then clean up), except one that pulls an image, which may take
-        minutes and is safe to abandon."""
-        if not action.steps:
-            return True
-        run = asyncio.ensure_future(self._run_steps(key, vm, req, action.steps))
-        if action.has(lc.Prepare):
-            return await run
-        try:
-            return await asyncio.shield(run)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await run
-            raise
-
-    async def _run_steps(
-        self, key: Key, vm: VM | None, req: VMRequest | None, steps: tuple[lc.Step, ...]
-    ) -> bool:
-        """The steps in order; False at the first that failed or must stop the rest."""
-        for step in steps:
-            try:
-                if not await self._do(key, vm, req, step):
-                    return False
-            except ApiError as e:
-                if e.status.code != 404:  # a VM gone meanwhile shows in the cache soon
-                    log.warning("vm %s/%s: %s: API error %s", *key, type(step).__name__, e)
-                return False
-        return True
-
-    async def _do(self, key: Key, vm: VM | None, req: VMRequest | None, step: lc.Step) -> bool:
-        """One step. Returns False when the rest of the action must not run (a conflict: the
-        VM changed meanwhile). Raises ``ApiError``."""
-        local = self._local.setdefault(key, _Local())
-        if isinstance(step, lc.Emit):
-            if vm is not None:
-                await self._event(vm, step)
-            return True
-        if isinstance(step, lc.Stop | lc.Cleanup | lc.Prepare | lc.Start | lc.KeepConsole):
-            assert req is not None, f"{step} without a request"
-            return await self._runtime_step(key, vm, req, local, step)
-        assert vm is not None, f"{step} for a VM that is gone"
-        if isinstance(step, lc.PatchStatus):
-            await self._patch_status(vm, dict(step.fields))
-            return True
-        if isinstance(step, lc.AddFinalizer):
-            ok = await self._patch_meta(vm, [*vm.finalizers, AGENT_FINALIZER])
-            if ok:
-                self.record_capacity()
-            return ok
-        if isinstance(step, lc.Release):
-            ok = await self._patch_meta(vm, [f for f in vm.finalizers if f != AGENT_FINALIZER])
-            if ok:
-                self.record_capacity()
-            return ok
-        raise AssertionError(f"unknown step {step!r}")
-
-    async def _runtime_step(
-        self, key: Key, vm: VM | None, req: VMRequest, local: _Local, step: lc.Step
-    ) -> bool:
-        """A step the runtime carries out; what it learns goes into the VM's facts."""
-        facts = local.facts
-        if isinstance(step, lc.Stop):
-            await self.runtime.stop(req, step.grace_seconds)
-        elif isinstance(step, lc.KeepConsole):
-            try:
-                await self.runtime.keep_console(req, Path(step.path))
-            except OSError as e:  # a full disk must not keep the VM from being cleaned up
-                log.warning("vm %s/%s: console not kept: %s", *key, e)
-        elif isinstance(step, lc.Cleanup):
-            await self.runtime.cleanup(req)
-            facts = replace(facts, cleaned=True)
-        elif isinstance(step, lc.Prepare):
-            try:
-                await self.runtime.prepare(req)
-                facts = replace(facts, prepared=True, verification=verification(req))
-            except SignatureError as e:
-                facts = replace(
-                    facts, failure=(e.reason, str(e)), verification=verification(req, e)
-                )
-            except ImageError as e:  # ImagePullFailed, or why the image was refused
-                facts = replace(facts, failure=(e.reason, str(e)))
-        elif isinstance(step, lc.Start):
-            assert vm is not None
-            jit = await self._read_jitconfig(vm)
-            if jit is None:
-                facts = replace(facts, jit_missing_at=utcnow())
-            else:
-                try:
-                    await self.runtime.start(req, jit)
-                    facts = replace(facts, jit_missing_at=None, cleaned=False)
-                except VMRuntimeError as e:
-                    facts = replace(facts, failure=("StartFailed", str(e)))
-        local.facts = facts
-        return True
-
-    # ------------------------------------------------------------------ API helpers
-
-    def _request(self, vm: VM, spec: ImpVMClassSpec | None, size: Resources | None) -> VMRequest:
-        """The runtime request of a VM bound here, rebuilt at every decision from the class
-        cache (its size and egress policy). Without its class only stop and cleanup use it
-        (``decide`` starts no VM whose class is missing)."""
-        return self._request_for(
-            vm.vm_id,
-            vm.namespace,
-            vm.name,
-            size or ZERO,
-            vm,
-            self.config.workdir / "vms" / vm.vm_id,
-            disk_gib=spec.disk_gib if spec is not None else 1,
-            egress=egress_layers(spec.network if spec else None, vm.spec.network),
-        )
-
-    @staticmethod
-    def _request_for(
-        vm_id: str,
-        namespace: str,
-        name: str,
-        size: Resources,
-        vm: VM | None,
-        workdir: Path,
-        disk_gib: int = 1,
-        egress: tuple[EgressLayer, ...] = (),
-    ) -> VMRequest:
-        """A runtime request; ``vm`` gives image and runner layer (none for a stale workdir);
-        ``egress``: its network's policy layers (:func:`egress_layers`)."""
-        spec = vm.spec if vm is not None else None
-        return VMRequest(
-            vm_id=vm_id,
-            name=name,
-            namespace=namespace,
-            image=spec.image if spec else "",
-            runner_layer=spec.runner_layer if spec else None,
-            allow_unpinned_images=bool(spec.allow_unpinned_images) if spec else False,
-            vcpu=size.vcpu,
-            memory_mib=size.memory_mib,
-            disk_gib=disk_gib,
-            workdir=workdir,
-            egress=egress,
-            verify_public_key=spec.verify.public_key if spec and spec.verify else None,
-        )
-
-    def _written(self, raw: dict[str, Any]) -> None:
-        """Put what a write returned into the cache (every VM this agent writes is bound
-        here)."""
-        self.mine.written(raw)
-
-    async def _patch_meta(self, vm: VM, finalizers: list[str]) -> bool:
-        """Set the VM's finalizers if it still has the observed resourceVersion. False on a
-        conflict or when the VM is gone or refuses the change."""
-        patch = {"metadata": {"resourceVersion": vm.resource_version, "finalizers": finalizers}}
-        try:
-            got = await self.client.patch(
-                ImpVMResource, vm.name, patch, namespace=vm.namespace, patch_type=PatchType.MERGE
-            )
-        except ApiError as e:
-            if e.status.code in (404, 409, 422):
-                return False
-            raise
-        self._written(got.to_dict())
-        return True
-
-    async def _patch_status(self, vm: VM, status: dict[str, Any]) -> None:
-        """Merge ``status`` into the VM's status subresource; the result goes into the cache."""
-        got = await self.client.patch(
-            ImpVMResource.Status,
-            vm.name,
-            {"status": status},
-            namespace=vm.namespace,
-            patch_type=PatchType.MERGE,
-        )
-        self._written(got.to_dict())
-        old = vm.phase
-        started = vm.status.started_at
-        if status.get("phase") == "Running" and old != "Running" and started is not None:
-            booted = (dt.datetime.now(dt.UTC) - started).total_seconds()
-            metrics.VM_BOOT.labels(self.config.node_name).observe(max(0.0, booted))
-        record_phase(self.config.node_name, str(old) if old else None, status.get("phase"))
-
-    async def _read_jitconfig(self, vm: VM) -> Secret | None:
-        """The JIT config from the agent's :class:`JitSource`; None while it is not there
-        (yet) or cannot be asked for (logged; the start is retried, then times out)."""
-        name = vm.spec.runner_config_secret
-        if not name:
-            return None
-        try:
-            return await self.jit.jitconfig(vm.namespace, vm.name, name)
-        except JitSourceError as e:
-            log.warning("JIT config of %s/%s: %s", vm.namespace, vm.name, e)
-            return None
-
-    async def _event(self, vm: VM, step: lc.Emit) -> None:
-        """Record the step's Event about the VM (aggregated, never raising)."""
-        await self.events.record(
-            api_version=API_VERSION,
-            kind="ImpVM",
-            namespace=vm.namespace,
-            name=vm.name,
-            uid=vm.uid,
-            reason=step.reason,
-            message=step.message,
-            warning=step.warning,
-        )

@@ -28,7 +28,7 @@ from impvm.agent.network.cluster import (
     split_resolvers,
 )
 from impvm.agent.network.node import NetworkError, NodeNetwork, host_resolvers
-from impvm.agent.network.ruleset import NetConfig, NetConfigError
+from impvm.agent.network.plan import NetConfig, NetConfigError
 from impvm.agent.process import ProcessRuntime
 from impvm.agent.qemu import QemuRuntime, create_qemu_runtime
 from impvm.agent.runtime import Runtime, VMRuntimeError

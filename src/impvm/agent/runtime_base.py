@@ -36,7 +36,7 @@ from impvm.agent.guesttext import printable
 from impvm.agent.images import ImageStore, PreparedImage
 from impvm.agent.images.tree import _remove_tree
 from impvm.agent.network.node import GuestNetwork, NodeNetwork
-from impvm.agent.network.ruleset import Kind
+from impvm.agent.network.plan import Kind
 from impvm.agent.runtime import RuntimeState, Secret, VMRequest, VMRuntimeError
 from impvm.agent.survivor import SecretPrint
 

@@ -19,7 +19,8 @@ from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Event, Secret
 
 from impvm.api.resources import ImpVMRunnerPoolResource
-from impvm.devstack.stack import NAMESPACE, Stack
+from impvm.devstack.seed import NAMESPACE
+from impvm.devstack.stack import Stack
 
 
 class Recorder:

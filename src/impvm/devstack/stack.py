@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import base64
 import os
 import signal
 import time
@@ -31,302 +30,28 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 from lightkube import AsyncClient
 from lightkube.config.kubeconfig import KubeConfig
-from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.core_v1 import Secret
 
-from impvm.agent.process import host_python_binds
 from impvm.api.resources import ImpVMResource, ImpVMRunnerPoolResource
+from impvm.devstack.devconfig import StackConfig, dev_config
 from impvm.devstack.netns import DevNetwork
 from impvm.devstack.registry import LocalRegistry
+from impvm.devstack.seed import (
+    NAMESPACE,
+    POOL,
+    REPO,
+    make_private_key,
+    pool_manifest,
+    random_webhook_secret,
+    seed_github,
+)
 from impvm.devstack.standin import StandIn
 from impvm.devstack.testimages import TestImages, build_test_images
 from impvm.kube.controlplane import ControlPlane, free_port, write_private
-from impvm.up.config import APP_SECRET, WEBHOOK_SECRET, load_config
+from impvm.up.config import WEBHOOK_SECRET
+from impvm.up.loader import load_config
 from impvm.up.service import Service
-
-APP_ID = 4242
-INSTALLATION_ID = 777
-ORG = "my-org"
-REPO = "my-org/app"
-RUNNER_GROUP = "omni-runner"
-CREDENTIALS_SECRET = APP_SECRET
-POOL = "ci-pool"
-NAMESPACE = "default"
-
-#: Permissions the stand-in's installation grants (what impvm needs, nothing more).
-INSTALLATION_PERMISSIONS = {
-    "organization_self_hosted_runners": "write",
-    "administration": "write",
-    "actions": "read",
-    "metadata": "read",
-}
-
-SEED_EXAMPLE = """\
-apiVersion: imp.dev/v1alpha1
-kind: ImpVMClass
-metadata:
-  name: runner-class
-  namespace: default
-spec:
-  vcpu: 2
-  memoryMiB: 2048
-  diskGiB: 10
----
-apiVersion: imp.dev/v1alpha1
-kind: ImpVMTemplate
-metadata:
-  name: gh-runner
-  namespace: default
-spec:
-  classRef:
-    name: runner-class
-  image: <immutable-runner-base-image>
-  runnerLayer: <immutable-runner-layer-image>
----
-apiVersion: imp.dev/v1alpha1
-kind: ImpVMRunnerPool
-metadata:
-  name: ci-pool
-  namespace: default
-spec:
-  templateName: gh-runner
-  labels: [imp]
-  platform:
-    type: github-actions
-    scope:
-      org: my-org
-    runnerGroup: omni-runner
-    credentialsSecret: github-runner-app
-    tokenSource: github_app
-  scaling:
-    mode: polling
-    minIdle: 1
-    maxConcurrent: 5
-    scaleUpStep: 1
-    cooldownSeconds: 30
-    polling:
-      enabled: true
-      intervalSeconds: 30
-"""
-
-
-def example_scaling() -> dict[str, Any]:
-    """``spec.scaling`` of the example pool (a fresh copy)."""
-    docs = list(yaml.safe_load_all(SEED_EXAMPLE))
-    scaling: dict[str, Any] = docs[2]["spec"]["scaling"]
-    return scaling
-
-
-def make_private_key(pkcs8: bool = False) -> str:
-    """A fresh 2048-bit RSA key as PEM (PKCS#1 by default, PKCS#8 with ``pkcs8``): an App's."""
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    fmt = (
-        serialization.PrivateFormat.PKCS8
-        if pkcs8
-        else serialization.PrivateFormat.TraditionalOpenSSL
-    )
-    return key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption()).decode()
-
-
-def app_secret(
-    name: str,
-    namespace: str,
-    app_id: int,
-    installation_id: int,
-    private_key: str | None,
-    **override: str | None,
-) -> Secret:
-    """A pool's credentials Secret for a GitHub App (keys as docs/architecture.md names them);
-    ``override`` replaces keys (None drops one)."""
-    data: dict[str, str | None] = {
-        "github_app_id": str(app_id),
-        "github_app_installation_id": str(installation_id),
-        "github_app_private_key": private_key,
-        **override,
-    }
-    encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items() if v is not None}
-    return Secret(metadata=ObjectMeta(name=name, namespace=namespace), type="Opaque", data=encoded)
-
-
-def pool_manifest(
-    name: str,
-    namespace: str,
-    scaling: dict[str, Any],
-    *,
-    labels: list[str] | None = None,
-    template: str = "gh-runner",
-    org: str = ORG,
-    runner_group: str | None = RUNNER_GROUP,
-    credentials_secret: str = CREDENTIALS_SECRET,
-    **spec: Any,
-) -> dict[str, Any]:
-    """An ImpVMRunnerPool in ``namespace`` registering in ``org`` with the App's credentials;
-    ``spec`` adds top-level spec fields."""
-    platform: dict[str, Any] = {
-        "type": "github-actions",
-        "scope": {"org": org},
-        "credentialsSecret": credentials_secret,
-        "tokenSource": "github_app",
-    }
-    if runner_group is not None:
-        platform["runnerGroup"] = runner_group
-    return {
-        "apiVersion": "imp.dev/v1alpha1",
-        "kind": "ImpVMRunnerPool",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "templateName": template,
-            "labels": ["imp"] if labels is None else labels,
-            "platform": platform,
-            "scaling": scaling,
-            **spec,
-        },
-    }
-
-
-def seed_github(
-    standin: StandIn,
-    private_key_pem: str,
-    *,
-    app_id: int = APP_ID,
-    installation_id: int = INSTALLATION_ID,
-    org: str = ORG,
-) -> None:
-    """Give the stand-in the App (its public key), the organisation with the repository
-    ``ORG/app`` and the runner group, and the App's installation there with the permissions
-    impvm needs."""
-    st = standin.state
-    st.add_app(app_id, private_key_pem)
-    st.add_org(org)
-    st.add_repo(f"{org}/app")
-    st.add_runner_group(org, RUNNER_GROUP)
-    st.add_installation(installation_id, app_id, org, INSTALLATION_PERMISSIONS)
-
-
-def random_webhook_secret() -> str:
-    """A random webhook secret (URL-safe, 32 bytes of entropy)."""
-    import secrets
-
-    return secrets.token_urlsafe(32)
-
-
-def seed_example(images: TestImages) -> str:
-    """The minimal example of the runner-pool docs with the two image placeholders replaced."""
-    return SEED_EXAMPLE.replace("<immutable-runner-base-image>", images.base).replace(
-        "<immutable-runner-layer-image>", images.runner_layer
-    )
-
-
-def dev_config(
-    *,
-    workdir: Path,
-    standin_url: str,
-    key_file: Path,
-    registry: str,
-    images: TestImages | None,
-    operator_port: int,
-    agent_metrics_port: int = 0,
-    runtime: str = "process",
-    agent_vcpu: int = 16,
-    agent_memory_mib: int = 32768,
-    scaling_mode: str = "polling",
-    polling_interval_seconds: int | None = None,
-    webhook_secret_file: Path | None = None,
-    devnet: DevNetwork | None = None,
-    cosign: Path | None = None,
-) -> dict[str, Any]:
-    """The ``impvm.yaml`` of the development stack (see :mod:`impvm.up.config`): the stand-in
-    as GitHub, the loopback registry, the process runtime's host binds, throwaway etcd data, and
-    (``images`` given) the minimal example as its class, template and pool, the pool using
-    ``scaling_mode`` (the example's polling by default). ``devnet``: VMs on isolated networks
-    that reach the stand-in there; without it VMs share the host's network. ``cosign``: the
-    agent's cosign binary (None: on PATH)."""
-    cfg: dict[str, Any] = {
-        "dataDir": str(workdir),
-        "github": {
-            "apiURL": standin_url,
-            "app": {
-                "id": APP_ID,
-                "installationId": INSTALLATION_ID,
-                "privateKeyFile": str(key_file),
-            },
-        },
-        "operator": {"listen": f"127.0.0.1:{operator_port}", "nodeLostGraceSeconds": 5},
-        "agent": {
-            "runtime": runtime,
-            "nodeName": "node-1",
-            "vcpu": agent_vcpu,
-            "memoryMiB": agent_memory_mib,
-            "insecureRegistries": [registry],
-            "readOnlyBinds": [str(p) for p in host_python_binds()],
-            "metricsListen": f"127.0.0.1:{agent_metrics_port or free_port()}",
-            **({"cosign": str(cosign)} if cosign is not None else {}),
-        },
-        "kubernetes": {"apiPort": 0, "namespace": NAMESPACE, "etcdFsync": False},
-    }
-    if devnet is not None:
-        # no resolver: the stand-in is reached by address
-        cfg["agent"].update(
-            guestNetwork="isolated",
-            guestSubnet=devnet.guest_subnet,
-            networkTable=devnet.table,
-            networkPrefix=devnet.ifprefix,
-            guestDns=["none"],
-        )
-    else:
-        cfg["agent"]["guestNetwork"] = "unisolated"
-    if webhook_secret_file is not None:
-        cfg["github"]["webhookSecretFile"] = str(webhook_secret_file)
-    if images is not None:
-        docs = list(yaml.safe_load_all(seed_example(images)))
-        objects: dict[str, dict[str, Any]] = {
-            "ImpVMClass": {},
-            "ImpVMTemplate": {},
-            "ImpVMRunnerPool": {},
-        }
-        for d in docs:
-            objects[d["kind"]][d["metadata"]["name"]] = d["spec"]
-        pool = objects["ImpVMRunnerPool"][POOL]
-        scaling = pool["scaling"]
-        if polling_interval_seconds is not None:
-            scaling["polling"]["intervalSeconds"] = polling_interval_seconds
-        scaling["mode"] = scaling_mode
-        if scaling_mode in ("webhook", "hybrid"):
-            scaling["webhook"] = {"secretRef": {"name": WEBHOOK_SECRET}}
-        if scaling_mode == "webhook":
-            del scaling["polling"]
-        cfg["classes"] = objects["ImpVMClass"]
-        cfg["templates"] = objects["ImpVMTemplate"]
-        cfg["pools"] = objects["ImpVMRunnerPool"]
-    return cfg
-
-
-@dataclass
-class StackConfig:
-    """What to start. ``runtime``: the agent's runtime; sizes in vCPU / MiB."""
-
-    workdir: Path
-    runtime: str = "process"
-    agent_vcpu: int = 16
-    agent_memory_mib: int = 32768
-    polling_interval_seconds: int | None = None
-    apply_example: bool = True
-    #: scaling.mode of the example pool: the example's polling, or webhook/hybrid (the stand-in then
-    #: delivers signed workflow_job webhooks to the operator, losing ``webhook_drop_rate``)
-    scaling_mode: str = "polling"
-    webhook_drop_rate: float = 0.0
-    #: start one agent (node-1); without it VMs are created but never run (benchmarks)
-    start_agent: bool = True
-    #: cosign binary the agent verifies signed images with (None: ``cosign`` on PATH), e.g.
-    #: :func:`impvm.signing.cosign.cosign_binary`
-    cosign: Path | None = None
-    #: guests on isolated networks, the stand-in in its own "internet" namespace
-    #: (:class:`impvm.devstack.netns.DevNetwork`; needs root); None: when running as root
-    isolated_network: bool | None = None
 
 
 @dataclass

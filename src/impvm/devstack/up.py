@@ -29,7 +29,9 @@ from rich.table import Table
 
 from impvm.commands.status import read_snapshot
 from impvm.commands.statusview import cell, render, summarize
-from impvm.devstack.stack import NAMESPACE, POOL, Stack, StackConfig
+from impvm.devstack.devconfig import StackConfig
+from impvm.devstack.seed import NAMESPACE, POOL
+from impvm.devstack.stack import Stack
 from impvm.up.main import serve
 from impvm.up.service import Service
 

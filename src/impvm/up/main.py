@@ -15,7 +15,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from impvm.agent.network import UNISOLATED, UNISOLATED_WARNING
-from impvm.up.config import ConfigError, load_config
+from impvm.up.config import ConfigError
+from impvm.up.loader import load_config
 from impvm.up.service import Service
 
 #: called once a second while the service runs; returns an exit code to stop with, or None

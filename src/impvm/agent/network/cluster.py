@@ -38,8 +38,8 @@ from lightkube.resources.core_v1 import Node
 from lightkube.resources.networking_v1 import ServiceCIDR
 
 from impvm.agent.network.node import NodeNetwork, parse_resolvers
+from impvm.agent.network.plan import NetConfigError
 from impvm.agent.network.policy import collapse
-from impvm.agent.network.ruleset import NetConfigError
 from impvm.kube.watchcache import Key, WatchCache
 
 log = logging.getLogger("impvm.agent.network")

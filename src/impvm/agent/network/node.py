@@ -33,15 +33,9 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from impvm.agent.network.plan import Attachment, Kind, NetConfig, create_commands, free_slot
 from impvm.agent.network.policy import EgressLayer
-from impvm.agent.network.ruleset import (
-    Attachment,
-    Kind,
-    NetConfig,
-    create_commands,
-    free_slot,
-    render,
-)
+from impvm.agent.network.ruleset import render
 from impvm.agent.runtime import VMRequest, VMRuntimeError
 
 log = logging.getLogger("impvm.agent.network")
