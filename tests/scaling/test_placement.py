@@ -203,3 +203,16 @@ def test_placement_never_overcommits_and_leaves_only_what_fits_nowhere(
             continue
         if (v.namespace, v.name) not in placed:
             assert not any(r.fits(*SIZES[v.class_name]) for r in free.values())
+
+
+def test_a_malformed_bound_size_is_ignored_and_an_unbound_vm_is_placed_at_its_class_size() -> None:
+    """The annotation is read, never trusted: a value that is not two ASCII numbers within
+    bounds counts as absent, and a VM not yet bound is placed at its class's size whatever it
+    carries."""
+    for raw in ("²,1", "1,²", "-1,5", "1", "", "99999,1", "1,123456789", " 1,1"):
+        assert vm(node="a", bound_size=raw).bound_size is None, raw
+    leases = [lease("a", 4, 8192)]
+    held = vm(node="a", cls="big", finalizer=True, phase="Running", bound_size="²,1")
+    assert place(leases, NOW, [held, vm()], SIZES) == ()  # counted at its class's 4 vCPU
+    (b,) = place(leases, NOW, [vm(cls="big", bound_size="1,1")], SIZES)
+    assert b.size == (4, 8192)

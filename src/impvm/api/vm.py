@@ -204,10 +204,13 @@ class VM:
     @property
     def bound_size(self) -> tuple[int, int] | None:
         """The (vCPU, MiB) the operator bound it with (annotation ``imp.dev/bound-size``);
-        None when it carries none or a malformed one."""
+        None when it carries none, or one that is not two ASCII numbers within the CRD's
+        class limits (an annotation is never trusted to crash a reader)."""
         raw = self.annotations.get(BOUND_SIZE_ANNOTATION, "")
         vcpu, _, mib = raw.partition(",")
-        if not (vcpu.isdigit() and mib.isdigit()):
+        if not (vcpu.isascii() and vcpu.isdigit() and mib.isascii() and mib.isdigit()):
+            return None
+        if len(vcpu) > 4 or len(mib) > 8:  # at most 9999 vCPU, ~95 TiB
             return None
         return int(vcpu), int(mib)
 

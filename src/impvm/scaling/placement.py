@@ -147,7 +147,7 @@ def place(
     free = rooms(leases, now, vms, sizes, recent)
     out: list[Binding] = []
     for vm in _waiting(vms, sizes):
-        v, m = size_of(vm, sizes) or sizes[vm.class_name]
+        v, m = sizes[vm.class_name]  # an unbound VM is placed at its class's size
         fit = [r for r in free.values() if r.fits(v, m)]
         if not fit:
             continue
