@@ -110,6 +110,80 @@ class ClassNamespaces(ApiModel):
         return self.selector is not None and self.selector.matches(namespace_labels)
 
 
+class Toleration(ApiModel):
+    """A toleration of a node taint (Kubernetes core/v1 Toleration)."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            "self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            "scheduling.tolerations[].value must be empty when operator is Exists",
+            ".value",
+        ),
+        cel(
+            "self.operator == 'Exists' || (has(self.key) && self.key != '')",
+            "scheduling.tolerations[].key must be set unless operator is Exists",
+            ".key",
+        ),
+    ]
+
+    key: str = Field(
+        default="",
+        max_length=317,
+        pattern=f"^$|{_LABEL_KEY}",
+        description="The taint key it tolerates; empty with operator Exists: every taint.",
+    )
+    operator: Literal["Equal", "Exists"] = Field(default="Equal", description="Equal or Exists.")
+    value: str = Field(default="", max_length=63, description="The taint value (Equal).")
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] = Field(
+        default="", description="The taint effect it tolerates; empty: every effect."
+    )
+
+    def wire(self) -> dict[str, Any]:
+        """The toleration as a pod spec carries it (empty fields left out)."""
+        out: dict[str, Any] = {"operator": self.operator}
+        for name in ("key", "value", "effect"):
+            if getattr(self, name):
+                out[name] = getattr(self, name)
+        return out
+
+
+class ClassScheduling(ApiModel):
+    """Where the VMs of a class may run, as RuntimeClass's ``scheduling`` (Kubernetes
+    node.k8s.io/v1): merged into each VM's pod, so the Kubernetes scheduler applies it. Used
+    when the operator places VMs through VM pods (the chart's ``vmPods``)."""
+
+    cel_rules: ClassVar[list[dict[str, Any]]] = [
+        cel(
+            "!has(self.nodeSelector) || self.nodeSelector.all(k, k.matches(r'" + _LABEL_KEY + "'))",
+            "scheduling.nodeSelector keys must be label keys",
+            ".nodeSelector",
+        ),
+    ]
+
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        alias="nodeSelector",
+        description="Labels a node must have to run VMs of this class (added to the node pools' "
+        "own selectors).",
+        json_schema_extra={
+            "maxProperties": 32,
+            "additionalProperties": {"type": "string", "maxLength": 63},
+        },
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Taints the VMs of this class tolerate (added to the node pools' own).",
+    )
+    priority_class_name: str = Field(
+        default="",
+        alias="priorityClassName",
+        max_length=253,
+        description="The PriorityClass of this class's VM pods (the scheduler's preemption and "
+        "order); empty: the chart's vmPods.priorityClassName.",
+    )
+
+
 class ImpVMClassSpec(ApiModel):
     """Size of a VM: vCPUs, memory (MiB) and disk (GiB)."""
 
@@ -129,6 +203,11 @@ class ImpVMClassSpec(ApiModel):
         default=None,
         description="Which namespaces may use the class; default: all (set from: Selector on a "
         "class whose network opens what not every team may reach).",
+    )
+    scheduling: ClassScheduling | None = Field(
+        default=None,
+        description="Where its VMs may run (node labels, taints tolerated, priority), applied "
+        "by the Kubernetes scheduler to each VM's pod.",
     )
 
     def admits(self, namespace_labels: Mapping[str, str]) -> bool:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from impvm.cli.common import finite, require_kubeconfig, tunable_default, tunable_help
+
+if TYPE_CHECKING:
+    from impvm.scaling.settings import VMPodSettings
 
 
 def operator(
@@ -83,6 +87,15 @@ def operator(
             "repeat for more (default: impvm-system/impvm-agent).",
         ),
     ] = None,
+    vm_pods: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE",
+            help="Place VMs through the Kubernetes scheduler: a JSON file of what each VM pod "
+            "is made with (image, overheadMiB, nodeSelectors, tolerations; the chart writes "
+            "it). Without it the operator places VMs itself (clusters without a scheduler).",
+        ),
+    ] = None,
 ) -> None:
     """Run the operator (pool controller, webhook receiver, reaper). Kubernetes credentials:
     KUBECONFIG or in-cluster."""
@@ -113,5 +126,24 @@ def operator(
                 )
             users.append(f"system:serviceaccount:{ns}:{name}")
         settings = replace(settings, agent_service_accounts=tuple(users))
+    if vm_pods is not None:
+        settings = replace(settings, vm_pods=load_vm_pods(vm_pods))
     require_kubeconfig("operator")
     operator_main(namespace or [], http_host, http_port, settings)
+
+
+def load_vm_pods(path: Path) -> VMPodSettings:
+    """The ``--vm-pods`` file; a file that cannot be read or that the model refuses is a usage
+    error (exit 2) naming the field."""
+    from pydantic import ValidationError
+
+    from impvm.scaling.settings import VMPodSettings
+
+    try:
+        return VMPodSettings.model_validate_json(path.read_bytes())
+    except OSError as e:
+        raise typer.BadParameter(f"{path}: {e.strerror}", param_hint="--vm-pods") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(the file)"
+        raise typer.BadParameter(f"{path}: {where}: {err['msg']}", param_hint="--vm-pods") from None

@@ -22,11 +22,12 @@ from impvm.operator.poller import Pollers
 from impvm.operator.runners import RunnerDirectory
 from impvm.operator.scheduler import Scheduler
 from impvm.operator.sources import CachedSource
+from impvm.operator.vmpods import PodScheduler
 from impvm.scaling.jobs import PoolScope
 from impvm.scaling.jobtable import JobTable, JobTables
 from impvm.scaling.mintbudget import MintBudget
 from impvm.scaling.poolpass import PoolMemory
-from impvm.scaling.settings import PassSettings
+from impvm.scaling.settings import PassSettings, VMPodSettings
 
 
 @dataclass
@@ -85,6 +86,9 @@ class OperatorSettings:
     agent_service_accounts: tuple[str, ...] = (
         f"system:serviceaccount:{AGENT_LEASE_NAMESPACE}:impvm-agent",
     )
+    #: VM pods (``--vm-pods``): place VMs through the Kubernetes scheduler
+    #: (:mod:`impvm.operator.vmpods`); None: the operator's own placement
+    vm_pods: VMPodSettings | None = None
 
 
 class OperatorContext:
@@ -152,9 +156,22 @@ class OperatorContext:
             lease_namespace=self.settings.lease_namespace,
         )
         self.sources = cached
-        self.scheduler = Scheduler(
-            self.kube, cached, self.events, namespaces, leading=lambda: self.leading()
-        )
+        s = self.settings
+        if s.vm_pods is not None:
+            self.scheduler = PodScheduler(
+                self.kube,
+                cached,
+                self.events,
+                s.vm_pods,
+                s.lease_namespace,
+                s.pool.node_lost_grace_seconds,
+                namespaces,
+                leading=lambda: self.leading(),
+            )
+        else:
+            self.scheduler = Scheduler(
+                self.kube, cached, self.events, namespaces, leading=lambda: self.leading()
+            )
         cached.on_lease = self.scheduler.wake
         return cached
 

@@ -3,7 +3,9 @@
 
 - :func:`get_vm`: an ImpVM made from the pool's template (``made_from``: its template hash, the
   ``imp.dev/template-hash`` annotation), controlled by the pool;
-- :func:`get_jit_secret`: a VM's JIT Secret (key ``jitconfig``), controlled by the VM.
+- :func:`get_jit_secret`: a VM's JIT Secret (key ``jitconfig``), controlled by the VM;
+- :func:`get_vm_pod`: a VM's pod, which holds its vCPU and memory for the Kubernetes scheduler
+  (:mod:`impvm.scaling.vmpods`).
 """
 
 from __future__ import annotations
@@ -11,10 +13,24 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from impvm.api.models import API_VERSION, JIT_SECRET_KEY, POOL_LABEL, TEMPLATE_HASH_ANNOTATION
+from impvm.api.models import (
+    API_VERSION,
+    JIT_SECRET_KEY,
+    POOL_LABEL,
+    TEMPLATE_HASH_ANNOTATION,
+    ClassScheduling,
+)
 from impvm.scaling.poolpass import MintJit, PoolWorld
+from impvm.scaling.settings import VMPodSettings
+from impvm.scaling.vmpods import (
+    VM_POD_COMPONENT,
+    VM_POD_UID_LABEL,
+    VM_POD_VM_ANNOTATION,
+    CreatePod,
+    vm_pod_name,
+)
 
-__all__ = ["get_jit_secret", "get_vm", "get_vm_spec"]
+__all__ = ["get_jit_secret", "get_vm", "get_vm_pod", "get_vm_spec"]
 
 
 def _controller(kind: str, name: str, uid: str) -> dict[str, Any]:
@@ -85,3 +101,98 @@ def get_jit_secret(world: PoolWorld, mint: MintJit, jit_config: str) -> dict[str
         "type": "Opaque",
         "data": {JIT_SECRET_KEY: value},
     }
+
+
+def _node_affinity(
+    settings: VMPodSettings, scheduling: ClassScheduling | None, avoid: tuple[str, ...]
+) -> dict[str, Any] | None:
+    """The required node affinity of a VM pod: one term per node pool selector (a node
+    matching any of them), each with the class's node selector and kept away from ``avoid``
+    (node names; ``matchFields`` as the DaemonSet controller pins its pods)."""
+    extra = dict(scheduling.node_selector) if scheduling else {}
+    selectors = [{**sel, **extra} for sel in settings.node_selectors] or [extra]
+    terms: list[dict[str, Any]] = []
+    for sel in selectors:
+        term: dict[str, Any] = {}
+        if sel:
+            term["matchExpressions"] = [
+                {"key": k, "operator": "In", "values": [v]} for k, v in sorted(sel.items())
+            ]
+        if avoid:
+            term["matchFields"] = [
+                {"key": "metadata.name", "operator": "NotIn", "values": list(avoid)}
+            ]
+        if term:
+            terms.append(term)
+    if not terms:
+        return None
+    return {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}
+
+
+def get_vm_pod(
+    create: CreatePod,
+    settings: VMPodSettings,
+    scheduling: ClassScheduling | None,
+    namespace: str,
+) -> dict[str, Any]:
+    """The VM pod of ``create.vm`` in ``namespace`` (the installation's): requests and limits of
+    the VM's vCPU and its memory plus ``settings.overhead_mib`` (equal: the Guaranteed QoS
+    class, last to be evicted); placed by the scheduler (node pools' selectors, the class's
+    ``scheduling``, away from ``create.avoid``), or pinned with ``nodeName`` when the VM is bound.
+    It runs ``settings.command`` as an unprivileged user with nothing mounted (the restricted
+    Pod Security Standard). Not owned by the ImpVM (an owner must be in the same namespace):
+    the operator deletes it when its VM ends or goes."""
+    vm, (vcpu, mib) = create.vm, create.size
+    resources = {"cpu": str(vcpu), "memory": f"{mib + settings.overhead_mib}Mi"}
+    spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 0,
+        "restartPolicy": "Always",
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.run_as_user,
+            "runAsGroup": settings.run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [
+            {
+                "name": "vm",
+                "image": settings.image,
+                "command": list(settings.command),
+                "resources": {"requests": resources, "limits": resources},
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "readOnlyRootFilesystem": True,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+            }
+        ],
+    }
+    if settings.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in settings.image_pull_secrets]
+    tolerations = [dict(t) for t in settings.tolerations]
+    if scheduling:
+        tolerations += [t.wire() for t in scheduling.tolerations]
+    if tolerations:
+        spec["tolerations"] = tolerations
+    priority = (scheduling.priority_class_name if scheduling else "") or (
+        settings.priority_class_name
+    )
+    if priority:
+        spec["priorityClassName"] = priority
+    if create.node:
+        spec["nodeName"] = create.node
+    elif affinity := _node_affinity(settings, scheduling, create.avoid):
+        spec["affinity"] = {"nodeAffinity": affinity}
+    meta: dict[str, Any] = {
+        "name": vm_pod_name(vm.uid),
+        "namespace": namespace,
+        "labels": {
+            "app.kubernetes.io/name": "impvm",
+            "app.kubernetes.io/component": VM_POD_COMPONENT,
+            VM_POD_UID_LABEL: vm.uid,
+        },
+        "annotations": {VM_POD_VM_ANNOTATION: f"{vm.namespace}/{vm.name}"},
+    }
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}

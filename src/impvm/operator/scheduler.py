@@ -143,11 +143,16 @@ class Scheduler:
             self._recent.popleft()
         return dict(collections.Counter(node for _, node in self._recent))
 
+    def watches(self) -> list[WatchCache[Any]]:
+        """The caches :meth:`run` starts and waits for (a subclass adds its own)."""
+        return list(self.caches)
+
     async def run(self) -> None:
         """Watch and place until cancelled."""
-        tasks = [asyncio.create_task(c.run(), name=c.name) for c in self.caches]
+        watches = self.watches()
+        tasks = [asyncio.create_task(c.run(), name=c.name) for c in watches]
         try:
-            for c in self.caches:
+            for c in watches:
                 await c.synced.wait()
             while True:
                 self._wake.clear()
@@ -179,7 +184,7 @@ class Scheduler:
             done += await self._bind(b)
         return done
 
-    async def _bind(self, b: Binding) -> int:
+    async def _bind(self, b: Binding, how: str = "") -> int:
         """Write one binding; 1 when it landed, 0 when the VM is gone or was bound meanwhile."""
         size = f"{b.size[0]},{b.size[1]}"
         try:
@@ -213,6 +218,6 @@ class Scheduler:
             name=b.name,
             uid=str(raw["metadata"].get("uid") or ""),
             reason="Scheduled",
-            message=f"bound to node {b.node}",
+            message=f"bound to node {b.node}{how}",
         )
         return 1

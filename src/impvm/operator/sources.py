@@ -366,6 +366,14 @@ class CachedSource(KubeSource):
         if self.on_lease is not None:
             self.on_lease(*key)
 
+    def class_spec(self, name: str) -> dict[str, Any] | None:
+        """The cached ImpVMClass ``name``'s spec (wire form; None: not cached)."""
+        for raw in self.caches["classes"][0].values():
+            if raw["metadata"]["name"] == name:
+                spec = raw.get("spec")
+                return spec if isinstance(spec, dict) else None
+        return None
+
     def class_sizes(self) -> dict[str, tuple[int, int]]:
         """Every cached ImpVMClass's size: name -> (vCPU, MiB) (empty before the first list;
         a class without a valid size is left out)."""

@@ -15,7 +15,7 @@ from pydantic.alias_generators import to_camel
 
 from impvm.scaling.pollbudget import PollBudget
 
-__all__ = ["OperatorTunables", "PassSettings"]
+__all__ = ["OperatorTunables", "PassSettings", "VMPodSettings"]
 
 
 class OperatorTunables(BaseModel):
@@ -97,3 +97,41 @@ class PassSettings(OperatorTunables):
     #: of them one pool may take while other pools of the installation exist
     installation_mints_per_minute: int = 80
     pool_mint_share: float = 0.5
+
+
+class VMPodSettings(BaseModel):
+    """What every VM pod (:mod:`impvm.scaling.vmpods`) is made with: ``impvm operator
+    --vm-pods FILE``, a JSON file the chart renders from its ``vmPods`` and ``agent`` values
+    (camelCase keys; unknown keys are refused). Without it the operator places VMs itself
+    (:mod:`impvm.scaling.placement`), as ``impvm up`` does."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, frozen=True, extra="forbid"
+    )
+
+    image: str = Field(min_length=1, max_length=1024, description="The pod's image.")
+    command: tuple[str, ...] = Field(
+        default=("sleep", "infinity"),
+        max_length=16,
+        description="What it runs: nothing that uses the resources it holds.",
+    )
+    overhead_mib: int = Field(
+        default=128,
+        alias="overheadMiB",
+        ge=0,
+        le=65536,
+        description="MiB requested beyond the guest memory: QEMU's own (its code, device "
+        "state, TCG's translation cache).",
+    )
+    node_selectors: tuple[dict[str, str], ...] = Field(
+        default=(),
+        max_length=64,
+        description="The VM node pools' node selectors: a VM pod goes to a node matching one "
+        "of them (empty: any node).",
+    )
+    tolerations: tuple[dict[str, str | int], ...] = Field(
+        default=(), max_length=64, description="Taints every VM pod tolerates (the node pools')."
+    )
+    priority_class_name: str = Field(default="", max_length=253)
+    image_pull_secrets: tuple[str, ...] = Field(default=(), max_length=16)
+    run_as_user: int = Field(default=65534, ge=1, le=2**31 - 1)

@@ -1,0 +1,228 @@
+"""Placement through the Kubernetes scheduler: a VM pod per ImpVM. Pure.
+
+On a Kubernetes cluster (the chart's ``vmPods``, on by default) the operator does not pick
+nodes itself. Each ImpVM that holds or will hold a node's resources gets a *VM pod* in the
+installation's namespace: a pod that runs nothing (``sleep``) and requests the VM's vCPU and
+memory (plus QEMU's overhead). kube-scheduler places it like any pod, so node affinity, taints,
+priorities and preemption apply to VMs, other pods cannot overcommit a VM host, and a VM that
+fits on no node leaves a Pending pod a cluster autoscaler acts on. The operator then binds the
+ImpVM to the node its pod was scheduled to. KubeVirt's virt-launcher (a pod per VM that holds
+its resources) is the model; the VM's process itself stays with the node's agent.
+
+The decision (:func:`plan_vm_pods`) is from the VMs the operator sees, the VM pods and the
+agents' Leases:
+
+- a VM that is waiting (unbound, not finished, of a known class) or holds its node's
+  resources (:func:`impvm.scaling.placement.uses_capacity`) and has no pod gets one
+  (:class:`CreatePod`): unbound, placed by the scheduler away from nodes whose agent is lost or
+  failed its host checks; bound (made by hand with ``spec.nodeName``, or bound before VM pods
+  were on), pinned to its node so that node's use is counted;
+- a waiting VM whose pod the scheduler bound to a node whose agent is live and passed its host
+  checks is bound there (:class:`~impvm.scaling.placement.Binding`, at its class's size);
+- a waiting VM's pod on a node whose agent is lost or failed its checks, or on a node with no
+  agent Lease for longer than the node-lost grace, or that ended (the kubelet refused it,
+  e.g. ``OutOfcpu``), is deleted (:class:`DeletePod`) and made again next pass;
+- the pod of a VM that ended, is being deleted or is no longer seen is deleted;
+- a waiting VM whose pod the scheduler could not place is reported
+  (:class:`Unschedulable`: the scheduler's own message, e.g. "0/2 nodes are available:
+  2 Insufficient cpu.").
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from impvm.api.times import parse_time
+from impvm.api.vm import VM
+from impvm.scaling.nodes import NodeLease, lost_nodes
+from impvm.scaling.placement import Binding, size_of, uses_capacity
+
+__all__ = [
+    "MAX_AVOIDED_NODES",
+    "VM_POD_COMPONENT",
+    "VM_POD_UID_LABEL",
+    "VM_POD_VM_ANNOTATION",
+    "CreatePod",
+    "DeletePod",
+    "PodAction",
+    "Unschedulable",
+    "VMPod",
+    "plan_vm_pods",
+    "vm_pod_name",
+]
+
+#: Label on a VM pod: the uid of its ImpVM.
+VM_POD_UID_LABEL = "imp.dev/vm-uid"
+#: Annotation on a VM pod: "<namespace>/<name>" of its ImpVM (for people; the uid decides).
+VM_POD_VM_ANNOTATION = "imp.dev/vm"
+#: The ``app.kubernetes.io/component`` of VM pods.
+VM_POD_COMPONENT = "vm"
+#: The most nodes a VM pod is kept away from (a longer list says the cluster has bigger trouble).
+MAX_AVOIDED_NODES = 64
+
+
+def vm_pod_name(vm_uid: str) -> str:
+    """The VM pod's name: fixed by its ImpVM's uid, so a pod made before a crash is found again
+    (AlreadyExists), never made twice."""
+    return f"vm-{vm_uid}"
+
+
+@dataclass(frozen=True, slots=True)
+class VMPod:
+    """A VM pod as the operator reads it: its ImpVM's uid, the node it was scheduled to, its
+    phase, when it was scheduled, the scheduler's message while it cannot be placed."""
+
+    name: str
+    vm_uid: str
+    node_name: str | None = None
+    phase: str = "Pending"
+    scheduled_at: dt.datetime | None = None
+    unschedulable: str | None = None
+    deleting: bool = False
+
+    @classmethod
+    def from_body(cls, raw: Mapping[str, Any]) -> VMPod:
+        """From a Pod's wire form (anything missing or malformed reads as absent)."""
+        meta, spec = raw.get("metadata") or {}, raw.get("spec") or {}
+        status = raw.get("status") or {}
+        scheduled_at, unschedulable = None, None
+        for c in status.get("conditions") or []:
+            if not isinstance(c, Mapping) or c.get("type") != "PodScheduled":
+                continue
+            if c.get("status") == "True":
+                scheduled_at = parse_time(c.get("lastTransitionTime"))
+            elif c.get("reason") == "Unschedulable":
+                unschedulable = str(c.get("message") or "unschedulable")[:1000]
+        return cls(
+            name=str(meta.get("name") or ""),
+            vm_uid=str((meta.get("labels") or {}).get(VM_POD_UID_LABEL) or ""),
+            node_name=spec.get("nodeName") or None,
+            phase=str(status.get("phase") or "Pending"),
+            scheduled_at=scheduled_at,
+            unschedulable=unschedulable,
+            deleting=bool(meta.get("deletionTimestamp")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CreatePod:
+    """Make the VM pod of ``vm`` at ``size`` (vCPU, MiB): on ``node`` when the VM is bound,
+    else for the scheduler, kept away from ``avoid``."""
+
+    vm: VM
+    size: tuple[int, int]
+    node: str | None = None
+    avoid: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DeletePod:
+    """Delete VM pod ``name`` (``reason``: for the log)."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unschedulable:
+    """The scheduler cannot place the pod of VM ``namespace``/``name``: ``message`` is its
+    own (recorded once per message as an Event on the VM)."""
+
+    namespace: str
+    name: str
+    uid: str
+    message: str
+
+
+PodAction = CreatePod | DeletePod | Binding | Unschedulable
+
+
+def _waiting(vm: VM, sizes: Mapping[str, tuple[int, int]]) -> bool:
+    """An unbound VM the placement should find a node for."""
+    return not (
+        vm.node_name
+        or vm.deleting
+        or vm.is_terminal
+        or vm.unreadable is not None
+        or vm.class_name not in sizes
+    )
+
+
+def _age(since: dt.datetime | None, now: dt.datetime) -> float:
+    return 0.0 if since is None else (now - since).total_seconds()
+
+
+def plan_vm_pods(
+    vms: Sequence[VM],
+    pods: Sequence[VMPod],
+    leases: Sequence[NodeLease],
+    now: dt.datetime,
+    sizes: Mapping[str, tuple[int, int]],
+    grace_seconds: float,
+) -> tuple[PodAction, ...]:
+    """What to do about VM pods (see the module docstring for the rules). ``sizes``: class name
+    -> (vCPU, MiB); ``grace_seconds``: the node-lost grace (a pod on a node with no agent Lease
+    waits that long for one). Each VM gets at most one action, each pod at most one."""
+    lost = lost_nodes(list(leases), now, grace_seconds)
+    failed = {le.node for le in leases if not le.preflight_ok}
+    live = {le.node for le in leases if le.preflight_ok and le.live(now)}
+    leased = {le.node for le in leases}
+    avoid = tuple(sorted(lost | failed)[:MAX_AVOIDED_NODES])
+    pods_by_uid = {p.vm_uid: p for p in pods if p.vm_uid and p.name == vm_pod_name(p.vm_uid)}
+    out: list[PodAction] = []
+    seen: set[str] = set()
+    for vm in vms:
+        if not vm.uid:
+            continue
+        seen.add(vm.uid)
+        pod = pods_by_uid.get(vm.uid)
+        waiting = _waiting(vm, sizes)
+        if not waiting and not uses_capacity(vm):
+            if pod is not None and not pod.deleting:
+                out.append(DeletePod(pod.name, f"ImpVM {vm.namespace}/{vm.name} ended"))
+            continue
+        if pod is None:
+            size = sizes[vm.class_name] if waiting else (size_of(vm, sizes) or (0, 0))
+            out.append(CreatePod(vm, size, vm.node_name, avoid if waiting else ()))
+            continue
+        if pod.deleting:
+            continue
+        if not waiting:
+            if pod.node_name and pod.node_name != vm.node_name:
+                out.append(DeletePod(pod.name, f"on {pod.node_name}, its VM on {vm.node_name}"))
+            continue
+        out += _for_waiting(vm, pod, sizes, now, grace_seconds, live, lost | failed, leased)
+    for pod in pods:
+        if pod.vm_uid not in seen and not pod.deleting:
+            out.append(DeletePod(pod.name, "its ImpVM is gone"))
+    return tuple(out)
+
+
+def _for_waiting(
+    vm: VM,
+    pod: VMPod,
+    sizes: Mapping[str, tuple[int, int]],
+    now: dt.datetime,
+    grace_seconds: float,
+    live: set[str],
+    bad: set[str],
+    leased: set[str],
+) -> list[PodAction]:
+    """The action for a waiting VM that has a pod."""
+    if pod.phase in ("Failed", "Succeeded"):
+        return [DeletePod(pod.name, f"the kubelet ended it ({pod.phase})")]
+    node = pod.node_name
+    if node is None:
+        if pod.unschedulable:
+            return [Unschedulable(vm.namespace, vm.name, vm.uid, pod.unschedulable)]
+        return []
+    if node in live:
+        return [Binding(vm.namespace, vm.name, vm.resource_version, node, sizes[vm.class_name])]
+    if node in bad:
+        return [DeletePod(pod.name, f"node {node}'s agent is lost or failed its host checks")]
+    if node not in leased and _age(pod.scheduled_at, now) > grace_seconds:
+        return [DeletePod(pod.name, f"no agent on node {node} after {grace_seconds:.0f} s")]
+    return []  # its agent's Lease is late (within the grace) or not there yet: wait
