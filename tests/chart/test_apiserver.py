@@ -293,6 +293,8 @@ AGENT: dict[tuple[str, str], set[str]] = {
 #: Lease impvm-operator only: see test_the_operator_updates_only_its_own_lease)
 OPERATOR_IN_RELEASE_NAMESPACE: dict[tuple[str, str], set[str]] = {
     ("coordination.k8s.io", "leases"): {"get", "list", "watch", "create"},
+    # VM pods, made in the release namespace only (never in a tenant's)
+    ("", "pods"): {"get", "list", "watch", "create", "delete"},
 }
 #: the agent's Lease, in the release namespace only
 AGENT_IN_RELEASE_NAMESPACE: dict[tuple[str, str], set[str]] = {
@@ -493,6 +495,7 @@ def test_rendered_documents_are_all_known_kinds(helm: Helm) -> None:
     kinds = {d["kind"] for d in yaml.safe_load_all(helm.template_text()) if d}
     assert kinds == {
         "ServiceAccount",
+        "ConfigMap",  # what VM pods are made with
         "ClusterRole",
         "ClusterRoleBinding",
         "Role",

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from impvm.api.crd import render_yaml
+from impvm.scaling.settings import VMPodSettings
 from tests.conftest import REPO
 
 from .conftest import CHART, FULL_VALUES, NODE_POOLS, Helm, by_kind, one
@@ -227,6 +228,31 @@ def test_node_pools_render_one_agent_daemonset_each_under_one_operator(helm: Hel
     assert not [a for a in s_c["args"] if a.startswith(("--vcpu", "--memory-mib"))]
 
 
+def test_vm_pods_go_to_the_node_pools_and_the_operator_accepts_what_the_chart_writes(
+    helm: Helm,
+) -> None:
+    """vmPods: the operator is given --vm-pods and the file; VM pods go to a node of one of
+    the node pools, tolerating every pool's taints; the file is what VMPodSettings accepts;
+    vmPods.enabled false leaves the operator its own placement."""
+    docs = helm.template("--values", str(NODE_POOLS), namespace="ci")
+    cm = one(docs, "ConfigMap", "impvm-vm-pods")
+    got = VMPodSettings.model_validate_json(cm["data"]["vm-pods.json"])
+    assert got.node_selectors == ({"imp.dev/host-size": "small"}, {"imp.dev/host-size": "large"})
+    assert got.tolerations == (
+        {"key": "imp.dev/vm-host", "operator": "Exists", "effect": "NoSchedule"},
+    )
+    assert got.image.startswith("registry.example.com/impvm/impvm-agent")  # the agent's image
+    assert got.command == ("sleep", "infinity") and got.overhead_mib == 128
+    pod = one(docs, "Deployment", "impvm-operator")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert "--vm-pods=/etc/impvm/vm-pods/vm-pods.json" in c["args"]
+    assert {"name": "vm-pods", "configMap": {"name": "impvm-vm-pods"}} in pod["volumes"]
+    off = helm.template("--set", "vmPods.enabled=false")
+    assert not by_kind(off, "ConfigMap")
+    (c,) = one(off, "Deployment", "impvm-operator")["spec"]["template"]["spec"]["containers"]
+    assert not [a for a in c["args"] if a.startswith("--vm-pods")]
+
+
 @pytest.mark.parametrize(
     ("pools", "message"),
     [
@@ -415,7 +441,10 @@ def test_packaged_chart_renders_the_same(helm: Helm, tmp_path: Path) -> None:
 
 
 def test_grafana_dashboard_configmap(helm: Helm) -> None:
-    assert not by_kind(helm.template(), "ConfigMap")  # off by default
+    # off by default (the one ConfigMap is what VM pods are made with)
+    assert [c["metadata"]["name"] for c in by_kind(helm.template(), "ConfigMap")] == [
+        "impvm-vm-pods"
+    ]
     docs = helm.template("--values", str(FULL_VALUES))
     cm = one(docs, "ConfigMap", "impvm-full-grafana-dashboard")
     assert cm["metadata"]["namespace"] == "default"  # another namespace than the release's

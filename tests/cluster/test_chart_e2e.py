@@ -89,6 +89,69 @@ async def cluster_github(cluster: Cluster) -> tuple[StandIn, str]:
     return standin, key
 
 
+def vm_pod_list(cluster: Cluster) -> list[dict[str, Any]]:
+    return items(cluster, "pods", "-n", "impvm-system", "-l", "app.kubernetes.io/component=vm")
+
+
+async def wait_for(what: str, check: Any, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not await asyncio.to_thread(check):
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(1)
+
+
+async def a_vm_that_fits_nowhere_leaves_a_pending_pod(cluster: Cluster) -> None:
+    """An ImpVM of a class bigger than any node: its VM pod stays Pending with the scheduler's
+    reason (what a cluster autoscaler acts on), its owners see that reason as an Event, and the
+    VM is bound nowhere."""
+    docs = [
+        {
+            "apiVersion": "imp.dev/v1alpha1",
+            "kind": "ImpVMClass",
+            "metadata": {"name": "too-big"},
+            "spec": {"vcpu": 64, "memoryMiB": 4096, "diskGiB": 1},
+        },
+        {
+            "apiVersion": "imp.dev/v1alpha1",
+            "kind": "ImpVM",
+            "metadata": {"name": "too-big", "namespace": "default"},
+            "spec": {
+                "classRef": {"name": "too-big"},
+                "image": "registry.example/none@sha256:" + "3" * 64,
+            },
+        },
+    ]
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+    try:
+
+        def pending() -> bool:
+            for p in vm_pod_list(cluster):
+                if p["metadata"]["annotations"]["imp.dev/vm"] != "default/too-big":
+                    continue
+                for c in p.get("status", {}).get("conditions", []):
+                    if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable":
+                        return "Insufficient cpu" in c.get("message", "")
+            return False
+
+        await wait_for("a Pending VM pod: Insufficient cpu", pending)
+
+        def told() -> bool:
+            return any(
+                e["reason"] == "FailedScheduling" and "Insufficient cpu" in e.get("message", "")
+                for e in items(
+                    cluster, "events", "-n", "default",
+                    "--field-selector", "involvedObject.name=too-big",
+                )
+            )  # fmt: skip
+
+        await wait_for("FailedScheduling on the ImpVM", told)
+        vm = json.loads(cluster.kubectl("-n", "default", "get", "impvm", "too-big", "-o", "json"))
+        assert not vm["spec"].get("nodeName")
+    finally:
+        cluster.kubectl("-n", "default", "delete", "impvm", "too-big", "--wait=false", check=False)
+        cluster.kubectl("delete", "impvmclass", "too-big", "--wait=false", check=False)
+
+
 def uninstall(env: dict[str, str]) -> None:
     subprocess.run(
         [str(helm_binary()), "uninstall", "impvm", "--namespace", "impvm-system"],
@@ -138,6 +201,8 @@ async def test_readme_install_runs_jobs_in_vms_on_both_nodes(
             yaml.safe_dump(
                 {
                     "operator": {"replicas": 2, "githubApiURL": standin.url},
+                    # the example class's 2 vCPU on these 2-core nodes: half a core each
+                    "vmPods": {"milliCPUPerVCPU": 500},
                     "agent": {
                         "registryCAs": [
                             {"registry": cluster.registry, "configMap": "impvm-registry-ca"}
@@ -186,6 +251,7 @@ async def test_readme_install_runs_jobs_in_vms_on_both_nodes(
         ]
         jobs = standin.state.jobs
         vm_nodes: dict[str, str] = {}
+        pod_nodes: dict[str, str] = {}  # "default/<vm>" -> the node kube-scheduler chose
         first_done: float | None = None
         deadline = time.monotonic() + 1200
         while not all(jobs[i].status == "completed" for i in ids):
@@ -210,6 +276,9 @@ async def test_readme_install_runs_jobs_in_vms_on_both_nodes(
             for vm in await asyncio.to_thread(items, cluster, "impvm", "-n", "default"):
                 if node := (vm.get("spec") or {}).get("nodeName"):
                     vm_nodes[vm["metadata"]["name"]] = node
+            for p in await asyncio.to_thread(vm_pod_list, cluster):
+                if node := p["spec"].get("nodeName"):
+                    pod_nodes[p["metadata"]["annotations"]["imp.dev/vm"]] = node
             if first_done is None and any(jobs[i].status == "completed" for i in ids):
                 first_done = time.monotonic() - installed
             await asyncio.sleep(1)
@@ -220,6 +289,23 @@ async def test_readme_install_runs_jobs_in_vms_on_both_nodes(
         runners = [jobs[i].runner_name for i in ids]
         assert len(set(runners)) == JOBS
         assert {vm_nodes[r] for r in runners if r} == {"node-1", "node-2"}, vm_nodes
+        # each VM ran where kube-scheduler put its VM pod, and its pod went with it
+        for vm_name, node in vm_nodes.items():
+            assert pod_nodes.get(f"default/{vm_name}") == node, (vm_name, pod_nodes)
+        await wait_for(
+            "the finished VMs' pods deleted",
+            lambda: (
+                not {p["metadata"]["annotations"]["imp.dev/vm"] for p in vm_pod_list(cluster)}
+                & {f"default/{r}" for r in runners}
+            ),
+        )
+        scheduled_by = {
+            e["source"].get("component") or e.get("reportingComponent")
+            for e in items(cluster, "events", "-n", "impvm-system")
+            if e["reason"] == "Scheduled" and e["involvedObject"]["name"].startswith("vm-")
+        }
+        assert scheduled_by == {"default-scheduler"}, scheduled_by
+        await a_vm_that_fits_nowhere_leaves_a_pending_pod(cluster)
         # one JIT config per VM, though two operator replicas ran
         mints = [
             r.get("runner_name")

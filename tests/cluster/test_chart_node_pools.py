@@ -78,6 +78,8 @@ async def test_release_in_another_namespace_serves_two_node_pools(
                 "image": {"repository": registry, "digest": op_digest},
                 "githubApiURL": standin.url,
             },
+            # the example class's 2 vCPU on these 2-core nodes: half a core each
+            "vmPods": {"milliCPUPerVCPU": 500},
             "agent": {
                 "image": {"repository": agent_repo, "digest": agent_digest},
                 "registryCAs": [{"registry": cluster.registry, "configMap": "registry-ca"}],

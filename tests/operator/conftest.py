@@ -6,20 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
-from lightkube import AsyncClient
+from lightkube import AsyncClient, Client
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ApiError
-from lightkube.resources.core_v1 import Event, Secret
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Event, Namespace, Secret
 from lightkube.types import PatchType
 
+from impvm.api.models import API_VERSION
 from impvm.api.resources import (
     ImpVMClassResource,
     ImpVMResource,
@@ -339,3 +342,30 @@ async def env(
         await e.ctx.close()
         await operator_kube.close()
         await admin.close()
+
+
+@pytest.fixture
+def other_namespace(kube: Client) -> Iterator[str]:
+    name = f"sched-{uuid.uuid4().hex[:6]}"
+    kube.create(Namespace(metadata=ObjectMeta(name=name)))
+    yield name
+    with contextlib.suppress(Exception):
+        kube.delete(Namespace, name)
+
+
+@pytest.fixture
+def vm_class(kube: Client) -> Iterator[str]:
+    name = f"sched-{uuid.uuid4().hex[:6]}"
+    kube.create(
+        ImpVMClassResource.from_dict(
+            {
+                "apiVersion": API_VERSION,
+                "kind": "ImpVMClass",
+                "metadata": {"name": name},
+                "spec": {"vcpu": 1, "memoryMiB": 1024, "diskGiB": 1},
+            }
+        )
+    )
+    yield name
+    with contextlib.suppress(Exception):
+        kube.delete(ImpVMClassResource, name)

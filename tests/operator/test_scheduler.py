@@ -8,52 +8,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from lightkube import AsyncClient, Client
+from lightkube import AsyncClient
 from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import Event, Namespace
+from lightkube.resources.core_v1 import Event
 from lightkube.types import PatchType
 
 from impvm.api.models import AGENT_FINALIZER, API_VERSION
-from impvm.api.resources import ImpVMClassResource, ImpVMResource
+from impvm.api.resources import ImpVMResource
 from impvm.kube.events import EventRecorder
 from impvm.operator.scheduler import Scheduler
 from impvm.operator.sources import CachedSource
 
 pytestmark = [pytest.mark.controlplane]
-
-
-@pytest.fixture
-def other_namespace(kube: Client) -> Iterator[str]:
-    name = f"sched-{uuid.uuid4().hex[:6]}"
-    kube.create(Namespace(metadata=ObjectMeta(name=name)))
-    yield name
-    with contextlib.suppress(Exception):
-        kube.delete(Namespace, name)
-
-
-@pytest.fixture
-def vm_class(kube: Client) -> Iterator[str]:
-    name = f"sched-{uuid.uuid4().hex[:6]}"
-    kube.create(
-        ImpVMClassResource.from_dict(
-            {
-                "apiVersion": API_VERSION,
-                "kind": "ImpVMClass",
-                "metadata": {"name": name},
-                "spec": {"vcpu": 1, "memoryMiB": 1024, "diskGiB": 1},
-            }
-        )
-    )
-    yield name
-    with contextlib.suppress(Exception):
-        kube.delete(ImpVMClassResource, name)
 
 
 async def agent_lease(akube: AsyncClient, ns: str, node: str, vcpu: int, mib: int) -> None:

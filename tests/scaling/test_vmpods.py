@@ -71,6 +71,20 @@ def test_a_pod_the_kubelet_refused_is_remade_and_one_the_scheduler_cannot_place_
     assert act == Unschedulable("ns", v.name, v.uid, msg)
 
 
+def test_a_vm_waits_for_room_in_what_its_nodes_agent_offers_then_is_rescheduled() -> None:
+    """The scheduler counts allocatable cores; the agent may offer less: a VM is bound only
+    when the agent has room, so it never fails OutOfCapacity."""
+    running = vm(node="a", finalizer=True)
+    first, second = vm(created=20), vm(created=10)
+    leases = [lease("a", 2, 4096)]
+    pods = [pod(running, "a"), pod(first, "a"), pod(second, "a", scheduled_ago=5)]
+    acts = plan([running, first, second], pods, leases)
+    assert acts == (Binding("ns", first.name, first.resource_version, "a", (1, 1024)),)
+    late = [pod(running, "a"), pod(first, "a"), pod(second, "a", scheduled_ago=GRACE + 1)]
+    acts = plan([running, first, second], late, leases)
+    assert isinstance(acts[1], DeletePod) and "no room" in acts[1].reason
+
+
 def test_bound_vms_keep_a_pinned_pod_until_they_end() -> None:
     running = vm(node="a", finalizer=True)
     (create,) = plan([running], [], [lease("a")])
@@ -183,9 +197,9 @@ def test_the_pod_holds_the_vm_size_for_the_scheduler_and_carries_the_class_sched
     assert body["metadata"]["namespace"] == "impvm"
     assert body["metadata"]["labels"][VM_POD_UID_LABEL] == v.uid
     (c,) = spec["containers"]
-    assert c["resources"]["requests"] == c["resources"]["limits"] == {
-        "cpu": "4",
-        "memory": "8292Mi",
+    assert c["resources"] == {
+        "requests": {"cpu": "4", "memory": "8292Mi"},
+        "limits": {"memory": "8292Mi"},
     }
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"

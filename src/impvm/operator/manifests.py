@@ -135,15 +135,17 @@ def get_vm_pod(
     scheduling: ClassScheduling | None,
     namespace: str,
 ) -> dict[str, Any]:
-    """The VM pod of ``create.vm`` in ``namespace`` (the installation's): requests and limits of
-    the VM's vCPU and its memory plus ``settings.overhead_mib`` (equal: the Guaranteed QoS
-    class, last to be evicted); placed by the scheduler (node pools' selectors, the class's
+    """The VM pod of ``create.vm`` in ``namespace`` (the installation's): it requests the VM's
+    vCPU (``settings.milli_cpu_per_vcpu`` each) and its memory plus ``settings.overhead_mib``,
+    the memory also as its limit (no CPU limit: KubeVirt sets none either); placed by the scheduler (node pools' selectors, the class's
     ``scheduling``, away from ``create.avoid``), or pinned with ``nodeName`` when the VM is bound.
     It runs ``settings.command`` as an unprivileged user with nothing mounted (the restricted
     Pod Security Standard). Not owned by the ImpVM (an owner must be in the same namespace):
     the operator deletes it when its VM ends or goes."""
     vm, (vcpu, mib) = create.vm, create.size
-    resources = {"cpu": str(vcpu), "memory": f"{mib + settings.overhead_mib}Mi"}
+    milli = vcpu * settings.milli_cpu_per_vcpu
+    cpu = str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"  # the API server's own form
+    resources = {"cpu": cpu, "memory": f"{mib + settings.overhead_mib}Mi"}
     spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -160,7 +162,7 @@ def get_vm_pod(
                 "name": "vm",
                 "image": settings.image,
                 "command": list(settings.command),
-                "resources": {"requests": resources, "limits": resources},
+                "resources": {"requests": resources, "limits": {"memory": resources["memory"]}},
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
                     "readOnlyRootFilesystem": True,
@@ -193,6 +195,10 @@ def get_vm_pod(
             "app.kubernetes.io/component": VM_POD_COMPONENT,
             VM_POD_UID_LABEL: vm.uid,
         },
-        "annotations": {VM_POD_VM_ANNOTATION: f"{vm.namespace}/{vm.name}"},
+        "annotations": {
+            VM_POD_VM_ANNOTATION: f"{vm.namespace}/{vm.name}",
+            # no scale-down of a node that runs a VM (ARC asks the same for its runner pods)
+            "cluster-autoscaler.kubernetes.io/safe-to-evict": "false",
+        },
     }
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}

@@ -123,6 +123,14 @@ class VMPodSettings(BaseModel):
         description="MiB requested beyond the guest memory: QEMU's own (its code, device "
         "state, TCG's translation cache).",
     )
+    milli_cpu_per_vcpu: int = Field(
+        default=1000,
+        alias="milliCPUPerVCPU",
+        ge=10,
+        le=1000,
+        description="CPU requested per vCPU, in millicores: 1000 counts each vCPU as a core; "
+        "less lets VMs' vCPUs share cores (KubeVirt's cpuAllocationRatio 10 is 100).",
+    )
     node_selectors: tuple[dict[str, str], ...] = Field(
         default=(),
         max_length=64,

@@ -18,7 +18,12 @@ agents' Leases:
   failed its host checks; bound (made by hand with ``spec.nodeName``, or bound before VM pods
   were on), pinned to its node so that node's use is counted;
 - a waiting VM whose pod the scheduler bound to a node whose agent is live and passed its host
-  checks is bound there (:class:`~impvm.scaling.placement.Binding`, at its class's size);
+  checks is bound there (:class:`~impvm.scaling.placement.Binding`, at its class's size) once
+  that agent's advertised capacity has room for it (counted as
+  :func:`impvm.scaling.placement.rooms` does, with this pass's bindings): the scheduler counts
+  the node's allocatable resources, the agent may offer less (``--vcpu``, ``--memory-mib``),
+  and a VM bound beyond it would only fail ``OutOfCapacity``; a pod that waited so for longer
+  than the node-lost grace is remade, for the scheduler to choose again;
 - a waiting VM's pod on a node whose agent is lost or failed its checks, or on a node with no
   agent Lease for longer than the node-lost grace, or that ended (the kubelet refused it,
   e.g. ``OutOfcpu``), is deleted (:class:`DeletePod`) and made again next pass;
@@ -38,7 +43,7 @@ from typing import Any
 from impvm.api.times import parse_time
 from impvm.api.vm import VM
 from impvm.scaling.nodes import NodeLease, lost_nodes
-from impvm.scaling.placement import Binding, size_of, uses_capacity
+from impvm.scaling.placement import Binding, NodeRoom, rooms, size_of, uses_capacity
 
 __all__ = [
     "MAX_AVOIDED_NODES",
@@ -171,6 +176,7 @@ def plan_vm_pods(
     live = {le.node for le in leases if le.preflight_ok and le.live(now)}
     leased = {le.node for le in leases}
     avoid = tuple(sorted(lost | failed)[:MAX_AVOIDED_NODES])
+    free = rooms(leases, now, vms, sizes)
     pods_by_uid = {p.vm_uid: p for p in pods if p.vm_uid and p.name == vm_pod_name(p.vm_uid)}
     out: list[PodAction] = []
     seen: set[str] = set()
@@ -194,7 +200,7 @@ def plan_vm_pods(
             if pod.node_name and pod.node_name != vm.node_name:
                 out.append(DeletePod(pod.name, f"on {pod.node_name}, its VM on {vm.node_name}"))
             continue
-        out += _for_waiting(vm, pod, sizes, now, grace_seconds, live, lost | failed, leased)
+        out += _for_waiting(vm, pod, sizes, now, grace_seconds, live, lost | failed, leased, free)
     for pod in pods:
         if pod.vm_uid not in seen and not pod.deleting:
             out.append(DeletePod(pod.name, "its ImpVM is gone"))
@@ -210,8 +216,10 @@ def _for_waiting(
     live: set[str],
     bad: set[str],
     leased: set[str],
+    free: dict[str, NodeRoom],
 ) -> list[PodAction]:
-    """The action for a waiting VM that has a pod."""
+    """The action for a waiting VM that has a pod (``free``: each offering node's room, taken
+    from as VMs are bound)."""
     if pod.phase in ("Failed", "Succeeded"):
         return [DeletePod(pod.name, f"the kubelet ended it ({pod.phase})")]
     node = pod.node_name
@@ -220,7 +228,17 @@ def _for_waiting(
             return [Unschedulable(vm.namespace, vm.name, vm.uid, pod.unschedulable)]
         return []
     if node in live:
-        return [Binding(vm.namespace, vm.name, vm.resource_version, node, sizes[vm.class_name])]
+        v, m = sizes[vm.class_name]
+        room = free.get(node)
+        if room is None or room.fits(v, m):  # no advertised capacity: its agent decides
+            if room is not None:
+                free[node] = room.take(v, m)
+            return [Binding(vm.namespace, vm.name, vm.resource_version, node, (v, m))]
+        if _age(pod.scheduled_at, now) > grace_seconds:
+            return [
+                DeletePod(pod.name, f"node {node}'s agent had no room for {grace_seconds:.0f} s")
+            ]
+        return []  # its agent's VMs hold what it offers: wait for one to end
     if node in bad:
         return [DeletePod(pod.name, f"node {node}'s agent is lost or failed its host checks")]
     if node not in leased and _age(pod.scheduled_at, now) > grace_seconds:
