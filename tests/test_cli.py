@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,30 @@ def test_a_poll_budget_that_is_not_a_finite_number_is_refused(value: str) -> Non
         timeout=60,
     )
     assert got.returncode == 2 and "--poll-calls-per-hour" in got.stderr, got.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ('{"image": "reg/agent@sha256:' + "1" * 64 + '", "overheadMiB": -1}', "overheadMiB"),
+        ('{"image": "reg/a", "milliCPUPerVCPU": 5000}', "milliCPUPerVCPU"),
+        ('{"image": "reg/a", "nodeSelector": {"a": "b"}}', "nodeSelector"),  # unknown key
+        ('{"overheadMiB": 1}', "image"),
+        ("not json", "(the file)"),
+    ],
+)
+def test_a_bad_vm_pods_file_names_the_field_and_exits_2(
+    tmp_path: Path, text: str, field: str
+) -> None:
+    f = tmp_path / "vm-pods.json"
+    f.write_text(text)
+    got = subprocess.run(
+        [sys.executable, "-m", "impvm.cli", "operator", "--vm-pods", str(f)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "KUBECONFIG"},
+    )
+    assert got.returncode == 2, got.stderr
+    assert "--vm-pods" in got.stderr and field in got.stderr, got.stderr
+    assert "Traceback" not in got.stderr

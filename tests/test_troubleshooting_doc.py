@@ -28,6 +28,7 @@ PATTERNS = [
     re.compile(r'"exitReason": "([A-Za-z]+)"'),
     re.compile(r'Unschedulable\("([A-Za-z]+)"'),
     re.compile(r'reason = "([A-Za-z]+)"'),
+    re.compile(r'\breason="([A-Z][A-Za-z]+)",'),  # events.record(..., reason="X", ...)
 ]
 
 

@@ -39,6 +39,9 @@ def test_lint_defaults_and_full_values(helm: Helm) -> None:
         (["--set", "operator.service.type=External"], "operator/service/type"),
         (["--set", "agent.hostPath=relative/dir"], "agent/hostPath"),
         (["--set", "agent.network.subnet=10.0.0.0/8"], "agent/network/subnet"),
+        (["--set", "vmPods.milliCPUPerVCPU=0"], "vmPods/milliCPUPerVCPU"),
+        (["--set", "vmPods.overheadMiB=-1"], "vmPods/overheadMiB"),
+        (["--set", "vmPods.image.digest=latest"], "vmPods/image/digest"),
     ],
 )
 def test_schema_rejects_bad_values_naming_the_field(

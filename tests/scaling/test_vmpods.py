@@ -215,5 +215,8 @@ def test_the_pod_holds_the_vm_size_for_the_scheduler_and_carries_the_class_sched
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     pinned = get_vm_pod(CreatePod(v, (4, 8192), "a"), settings_, None, "impvm")["spec"]
+    (spread,) = spec["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"
     assert pinned["nodeName"] == "a" and "affinity" not in pinned
     assert pinned["priorityClassName"] == "vms"

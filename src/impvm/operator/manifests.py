@@ -137,8 +137,9 @@ def get_vm_pod(
 ) -> dict[str, Any]:
     """The VM pod of ``create.vm`` in ``namespace`` (the installation's): it requests the VM's
     vCPU (``settings.milli_cpu_per_vcpu`` each) and its memory plus ``settings.overhead_mib``,
-    the memory also as its limit (no CPU limit: KubeVirt sets none either); placed by the scheduler (node pools' selectors, the class's
-    ``scheduling``, away from ``create.avoid``), or pinned with ``nodeName`` when the VM is bound.
+    the memory also as its limit (no CPU limit: KubeVirt sets none either); placed by the
+    scheduler (node pools' selectors, the class's ``scheduling``, away from ``create.avoid``,
+    spread by VM pods per node), or pinned with ``nodeName`` when the VM is bound.
     It runs ``settings.command`` as an unprivileged user with nothing mounted (the restricted
     Pod Security Standard). Not owned by the ImpVM (an owner must be in the same namespace):
     the operator deletes it when its VM ends or goes."""
@@ -185,8 +186,19 @@ def get_vm_pod(
         spec["priorityClassName"] = priority
     if create.node:
         spec["nodeName"] = create.node
-    elif affinity := _node_affinity(settings, scheduling, create.avoid):
-        spec["affinity"] = {"nodeAffinity": affinity}
+    else:
+        if affinity := _node_affinity(settings, scheduling, create.avoid):
+            spec["affinity"] = {"nodeAffinity": affinity}
+        # spread by how many VM pods a node has (counted by the API server), not only by the
+        # room a node reports: a node overstating its allocatable draws its share, not all
+        spec["topologySpreadConstraints"] = [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {"app.kubernetes.io/component": VM_POD_COMPONENT}},
+            }
+        ]
     meta: dict[str, Any] = {
         "name": vm_pod_name(vm.uid),
         "namespace": namespace,
