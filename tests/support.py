@@ -1,8 +1,11 @@
-"""Helpers shared by the test packages: a GitHub stand-in seeded with one App installation."""
+"""Helpers shared by the test packages: a GitHub stand-in seeded with one App installation, and
+waiting on a condition."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -59,3 +62,15 @@ def standin_fixture(
             yield s
 
     return standin
+
+
+async def until(
+    what: str, check: Callable[[], Awaitable[bool]], seconds: float = 60, every: float = 0.1
+) -> None:
+    """Return once ``check()`` is true; raise AssertionError naming ``what`` after ``seconds``
+    (a bound for a loaded machine, not a timing assertion)."""
+    deadline = time.monotonic() + seconds
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never: {what}")
+        await asyncio.sleep(every)

@@ -13,7 +13,7 @@ import ssl
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from impvm.api.models import API_VERSION, JIT_SECRET_KEY
 from impvm.api.resources import ImpVMClassResource, ImpVMResource
 from impvm.kube.controlplane import ControlPlane
 from tests.runtime_fixtures import Images
+from tests.support import until
 
 pytestmark = [pytest.mark.controlplane]
 
@@ -137,14 +138,6 @@ def env(
     yield e
     with contextlib.suppress(Exception):
         kube.delete(ImpVMClassResource, e.cls)
-
-
-async def until(what: str, check: Callable[[], Awaitable[bool]], seconds: float = 60) -> None:
-    for _ in range(int(seconds * 5)):
-        if await check():
-            return
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"never: {what}")
 
 
 def condition(vm: dict[str, Any], type_: str) -> dict[str, Any] | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -24,6 +24,7 @@ from impvm.api.resources import ImpVMResource
 from impvm.kube.events import EventRecorder
 from impvm.operator.scheduler import Scheduler
 from impvm.operator.sources import CachedSource
+from tests.support import until
 
 pytestmark = [pytest.mark.controlplane]
 
@@ -68,14 +69,6 @@ async def nodes_of(akube: AsyncClient, namespaces: list[str]) -> dict[tuple[str,
             raw: dict[str, Any] = vm.to_dict()
             out[(ns, raw["metadata"]["name"])] = (raw.get("spec") or {}).get("nodeName") or ""
     return out
-
-
-async def until(what: str, check: Callable[[], Awaitable[bool]], seconds: float = 60) -> None:
-    for _ in range(int(seconds * 10)):
-        if await check():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"never: {what}")
 
 
 @contextlib.asynccontextmanager

@@ -26,7 +26,8 @@ from impvm.kube.events import EventRecorder
 from impvm.operator.sources import CachedSource
 from impvm.operator.vmpods import PodScheduler
 from impvm.scaling.settings import VMPodSettings
-from tests.operator.test_scheduler import agent_lease, create_vm, nodes_of, until
+from tests.operator.test_scheduler import agent_lease, create_vm, nodes_of
+from tests.support import until
 
 SETTINGS = VMPodSettings(image="reg/impvm-agent@sha256:" + "1" * 64, overhead_mib=128)
 
