@@ -378,6 +378,26 @@ def test_class_rules(kube: Client) -> None:
     bad = {"metadata": {"name": "tiny"}, "spec": {"vcpu": 0, "memoryMiB": 64, "diskGiB": 1}}
     msg = rejected(kube, ImpVMClassResource, bad)
     assert "spec.vcpu" in msg and "spec.memoryMiB" in msg, msg
+    # a class's scheduling the Pod API would refuse is refused here, naming the field
+    size = {"vcpu": 1, "memoryMiB": 512, "diskGiB": 1}
+    for scheduling, field in (
+        ({"nodeSelector": {"zone": "a b"}}, "spec.scheduling.nodeSelector"),
+        ({"nodeSelector": {"not a key": "x"}}, "spec.scheduling.nodeSelector"),
+        ({"tolerations": [{"key": "k", "value": "not valid!"}]}, "spec.scheduling.tolerations"),
+        ({"tolerations": [{"operator": "Equal", "value": "v"}]}, "spec.scheduling.tolerations"),
+        ({"priorityClassName": "Not_A_Name"}, "spec.scheduling.priorityClassName"),
+    ):
+        body = {"metadata": {"name": "sched"}, "spec": {**size, "scheduling": scheduling}}
+        msg = rejected(kube, ImpVMClassResource, body)
+        assert field in msg, (scheduling, msg)
+    good = {
+        "nodeSelector": {"imp.dev/host-size": "large"},
+        "tolerations": [{"key": "imp.dev/vm-host", "operator": "Exists", "effect": "NoSchedule"}],
+        "priorityClassName": "ci-high",
+    }
+    body = {"metadata": {"name": "sched-ok"}, "spec": {**size, "scheduling": good}}
+    kube.create(ImpVMClassResource.from_dict(body))
+    kube.delete(ImpVMClassResource, "sched-ok")
 
 
 @pytest.mark.controlplane

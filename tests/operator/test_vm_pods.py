@@ -18,7 +18,7 @@ from lightkube.core.exceptions import ApiError
 from lightkube.models.core_v1 import ObjectReference
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import Binding, Event, Pod
+from lightkube.resources.core_v1 import Binding, ConfigMap, Event, Pod
 from lightkube.types import PatchType
 
 from impvm.api.resources import ImpVMResource
@@ -45,6 +45,8 @@ async def pod_placement(akube: AsyncClient, tenant: str, home: str) -> AsyncIter
         [tenant],
     )
     sources.on_lease = scheduler.wake
+    with contextlib.suppress(ApiError):  # what the chart installs: the VM pods' owner
+        await akube.create(ConfigMap(metadata=ObjectMeta(name="impvm-vm-pods", namespace=home)))
     await sources.start()
     task = asyncio.create_task(scheduler.run())
     try:
@@ -178,3 +180,43 @@ async def test_a_vm_is_bound_where_kube_scheduler_put_its_pod_and_its_pod_goes_w
         raise AssertionError("a VM pod in the tenant namespace")
     except ApiError as e:
         assert e.status.code == 404
+
+
+async def test_a_pod_made_first_by_someone_else_binds_nothing_and_the_owners_are_told(
+    akube: AsyncClient, namespace: str, other_namespace: str, vm_class: str
+) -> None:
+    """A pod named and labelled as the VM's pod, made before the operator's by someone who may
+    make pods in the installation's namespace (a node's kubelet may make such a mirror pod
+    there), bound to the node of its choosing: the VM is not bound there, and the VM's owners
+    learn why it waits (FailedCreate)."""
+    home, tenant = namespace, other_namespace
+    await agent_lease(akube, home, "node-evil", 64, 65536)
+    await create_vm(akube, tenant, "job-1", vm_class)
+    uid = (await akube.get(ImpVMResource, "job-1", namespace=tenant)).to_dict()["metadata"]["uid"]
+    forged = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"vm-{uid}",
+            "namespace": home,
+            "labels": {"app.kubernetes.io/component": "vm", "imp.dev/vm-uid": uid},
+            "annotations": {"imp.dev/vm": f"{tenant}/job-1"},
+        },
+        "spec": {"nodeName": "node-evil", "containers": [{"name": "c", "image": "x"}]},
+    }
+    await akube.create(Pod.from_dict(forged))
+    async with pod_placement(akube, tenant, home):
+
+        async def told() -> bool:
+            events = [e async for e in akube.list(Event, namespace=tenant)]
+            return any(
+                e.reason == "FailedCreate" and "not made" in (e.message or "") for e in events
+            )
+
+        await until("FailedCreate on the ImpVM", told)
+        assert (await nodes_of(akube, [tenant]))[(tenant, "job-1")] == ""
+        # the foreign pod is left alone: not the operator's to delete
+        got = (await akube.get(Pod, f"vm-{uid}", namespace=home)).to_dict()
+        assert got["spec"]["nodeName"] == "node-evil" and not got["metadata"].get(
+            "deletionTimestamp"
+        )

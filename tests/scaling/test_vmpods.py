@@ -27,23 +27,25 @@ from impvm.scaling.vmpods import (
 from tests.scaling.test_placement import NOW, SIZES, lease, vm
 
 GRACE = 60.0
+OWNER = "uid-of-the-vm-pods-configmap"
 
 
 def pod(v: Any, node: str | None = None, **kw: Any) -> VMPod:
     ago = kw.pop("scheduled_ago", 1.0)
     scheduled = NOW - dt.timedelta(seconds=ago) if node else None
+    kw.setdefault("owner_uid", OWNER)
     return VMPod(vm_pod_name(v.uid), v.uid, node, scheduled_at=scheduled, **kw)
 
 
 def plan(vms: list[Any], pods: list[VMPod], leases: list[Any]) -> tuple[Any, ...]:
-    return plan_vm_pods(vms, pods, leases, NOW, SIZES, GRACE)
+    return plan_vm_pods(vms, pods, leases, NOW, SIZES, GRACE, OWNER)
 
 
 def test_a_waiting_vm_gets_a_pod_kept_from_bad_nodes_then_is_bound_where_it_was_scheduled() -> None:
     leases = [lease("a"), lease("dead", age=200), lease("sick", ok=False)]
     v = vm()
     (create,) = plan([v], [], leases)
-    assert create == CreatePod(v, (1, 1024), None, ("dead", "sick"))
+    assert create == CreatePod(v, (1, 1024), None, ("sick", "dead"))  # renewed last first
     assert plan([v], [pod(v)], leases) == ()  # not yet scheduled: wait
     (bind,) = plan([v], [pod(v, "a")], leases)
     assert bind == Binding("ns", v.name, v.resource_version, "a", (1, 1024))
@@ -85,6 +87,62 @@ def test_a_vm_waits_for_room_in_what_its_nodes_agent_offers_then_is_rescheduled(
     assert isinstance(acts[1], DeletePod) and "no room" in acts[1].reason
 
 
+def test_a_pod_the_operator_did_not_make_binds_nothing_whatever_its_name_and_labels() -> None:
+    """A compromised node's kubelet may make a mirror pod in any namespace, with any name and
+    labels, bound to itself: made before the operator's, it must not bind the VM there."""
+    v = vm()
+    body = {
+        "metadata": {
+            "name": vm_pod_name(v.uid),
+            "labels": {"app.kubernetes.io/component": "vm", VM_POD_UID_LABEL: v.uid},
+            "annotations": {"kubernetes.io/config.mirror": "x", "imp.dev/vm": f"ns/{v.name}"},
+            "ownerReferences": [{"kind": "Node", "name": "evil", "uid": "n", "controller": True}],
+        },
+        "spec": {"nodeName": "evil"},
+        "status": {"phase": "Running"},
+    }
+    mirror = VMPod.from_body(body)
+    assert mirror.mirror and mirror.owner_uid == ""
+    leases = [lease("good"), lease("evil")]
+    assert plan([v], [mirror], leases) == (CreatePod(v, (1, 1024), None, ()),)
+    # our owner's uid copied onto a mirror pod: still a kubelet's pod
+    forged = VMPod.from_body(
+        {**body, "metadata": {**body["metadata"], "ownerReferences": [
+            {"kind": "ConfigMap", "name": "impvm-vm-pods", "uid": OWNER, "controller": True}]}}
+    )  # fmt: skip
+    assert forged.owner_uid == OWNER and forged.mirror
+    assert plan([v], [forged], leases) == (CreatePod(v, (1, 1024), None, ()),)
+    # and without an owner at all (someone with pod rights in the namespace)
+    plain = pod(v, "evil", owner_uid="")
+    assert plan([v], [plain], leases) == (CreatePod(v, (1, 1024), None, ()),)
+    # no owner known (not read yet): no pod is taken for a VM pod, none is deleted
+    assert not [
+        a
+        for a in plan_vm_pods([v], [pod(v, "good")], leases, NOW, SIZES, GRACE, "")
+        if not isinstance(a, CreatePod)
+    ]
+
+
+def test_the_nodes_kept_away_are_those_whose_agent_died_last_and_pods_bind_at_their_size() -> None:
+    stale = [lease(f"aaa-gone-{i:02d}", age=99999) for i in range(70)]
+    leases = [*stale, lease("zz-just-died", age=200), lease("ok")]
+    (create,) = plan([vm()], [], leases)
+    assert isinstance(create, CreatePod) and create.avoid[0] == "zz-just-died"
+    assert len(create.avoid) == 64
+    v = vm()  # its class was resized after its pod was made: bound at what the pod requested
+    (bind,) = plan([v], [pod(v, "ok", size=(2, 3000))], leases)
+    assert isinstance(bind, Binding) and bind.size == (2, 3000)
+
+
+def test_a_pod_of_a_vm_the_caches_do_not_show_is_deleted_only_once_the_vm_is_confirmed_gone() -> (
+    None
+):
+    v = vm()
+    p = pod(v, "a", vm=("ns", v.name, v.uid))
+    (act,) = plan([], [p], [lease("a")])
+    assert act == DeletePod(p.name, "its ImpVM is gone", ("ns", v.name, v.uid))
+
+
 def test_bound_vms_keep_a_pinned_pod_until_they_end() -> None:
     running = vm(node="a", finalizer=True)
     (create,) = plan([running], [], [lease("a")])
@@ -104,7 +162,7 @@ def test_bound_vms_keep_a_pinned_pod_until_they_end() -> None:
 def test_nothing_is_done_twice_to_a_pod_being_deleted_nor_to_pods_not_named_for_their_vm() -> None:
     v = vm()
     assert plan([v], [pod(v, "a", deleting=True)], [lease("a")]) == ()
-    stranger = VMPod("not-its-name", v.uid, "a")  # its label names v, its name does not
+    stranger = VMPod("not-its-name", v.uid, "a", owner_uid=OWNER)  # named for no VM
     acts = plan([v], [stranger], [lease("a")])
     assert CreatePod(v, (1, 1024), None, ()) in acts
     assert not any(isinstance(a, Binding) for a in acts)
@@ -192,7 +250,13 @@ def test_the_pod_holds_the_vm_size_for_the_scheduler_and_carries_the_class_sched
         }
     )
     v = vm(cls="big")
-    body = get_vm_pod(CreatePod(v, (4, 8192), None, ("sick",)), settings_, scheduling, "impvm")
+    body = get_vm_pod(
+        CreatePod(v, (4, 8192), None, ("sick",)), settings_, scheduling, "impvm", OWNER
+    )
+    (owner,) = body["metadata"]["ownerReferences"]
+    assert owner["kind"] == "ConfigMap" and owner["uid"] == OWNER and owner["controller"]
+    assert VMPod.from_body(body).owner_uid == OWNER  # what it makes, it takes back
+    assert VMPod.from_body(body).size == (4, 8192)
     spec = body["spec"]
     assert body["metadata"]["namespace"] == "impvm"
     assert body["metadata"]["labels"][VM_POD_UID_LABEL] == v.uid

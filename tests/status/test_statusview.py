@@ -176,3 +176,37 @@ def test_cell() -> None:
         "2.2s",
         "13s",
     ]
+
+
+def test_an_installation_pod_that_cannot_pull_its_image_says_why() -> None:
+    def pod(name: str, component: str, container: dict[str, Any], phase: str) -> dict[str, Any]:
+        return {
+            "metadata": {
+                "namespace": "impvm-system",
+                "name": name,
+                "labels": {"app.kubernetes.io/component": component},
+            },
+            "spec": {"nodeName": "node-1"},
+            "status": {"phase": phase, "containerStatuses": [container]},
+        }
+
+    pull = "failed to resolve reference reg/impvm-agent@sha256:dead: not found"
+    pods = [
+        pod("impvm-agent-x", "agent", {"ready": False, "state": {"waiting": {
+            "reason": "ImagePullBackOff", "message": pull}}}, "Pending"),
+        pod("impvm-operator-y", "operator", {"ready": True, "state": {"running": {}}}, "Running"),
+    ]  # fmt: skip
+    doc = summarize(Snapshot(NOW, pods=pods))
+    assert doc["podsNotReady"] == [
+        {
+            "namespace": "impvm-system",
+            "pod": "impvm-agent-x",
+            "component": "agent",
+            "node": "node-1",
+            "reason": "ImagePullBackOff",
+            "message": pull,
+        }
+    ]
+    text = text_of(doc)
+    assert "Operator and agent pods not ready" in text and "ImagePullBackOff" in text
+    assert "not ready" not in text_of(summarize(Snapshot(NOW, pods=pods[1:])))

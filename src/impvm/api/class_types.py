@@ -14,6 +14,10 @@ from impvm.api.network_types import NetworkSpec
 
 #: The label the API server puts on every namespace, holding its name (Kubernetes >= 1.21).
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+#: A label value: empty, or at most 63 alphanumerics, '-', '_' and '.' (alphanumeric at both ends).
+_LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+#: A DNS subdomain (RFC 1123), e.g. a PriorityClass name.
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 #: A label key: an optional DNS-subdomain prefix and "/", then a name of at most 63 characters.
 _LABEL_KEY = (
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
@@ -133,7 +137,9 @@ class Toleration(ApiModel):
         description="The taint key it tolerates; empty with operator Exists: every taint.",
     )
     operator: Literal["Equal", "Exists"] = Field(default="Equal", description="Equal or Exists.")
-    value: str = Field(default="", max_length=63, description="The taint value (Equal).")
+    value: str = Field(
+        default="", max_length=63, pattern=_LABEL_VALUE, description="The taint value (Equal)."
+    )
     effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] = Field(
         default="", description="The taint effect it tolerates; empty: every effect."
     )
@@ -158,6 +164,14 @@ class ClassScheduling(ApiModel):
             "scheduling.nodeSelector keys must be label keys",
             ".nodeSelector",
         ),
+        cel(
+            "!has(self.nodeSelector) || self.nodeSelector.all(k, self.nodeSelector[k].matches(r'"
+            + _LABEL_VALUE
+            + "'))",
+            "scheduling.nodeSelector values must be label values (at most 63 alphanumerics, "
+            "'-', '_' or '.', alphanumeric at both ends)",
+            ".nodeSelector",
+        ),
     ]
 
     node_selector: dict[str, str] = Field(
@@ -179,6 +193,7 @@ class ClassScheduling(ApiModel):
         default="",
         alias="priorityClassName",
         max_length=253,
+        pattern=f"^$|{_DNS_SUBDOMAIN}",
         description="The PriorityClass of this class's VM pods (the scheduler's preemption and "
         "order); empty: the chart's vmPods.priorityClassName.",
     )

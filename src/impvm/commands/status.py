@@ -2,7 +2,9 @@
 (:mod:`impvm.commands.statusview`), once, as JSON, or redrawn every few seconds (``--watch``).
 Works with any kubeconfig: the one given, else ``KUBECONFIG`` / ``~/.kube/config`` / the
 in-cluster ServiceAccount (lightkube's discovery, as kubectl does). Reads only: pools, VMs and
-Events (one namespace or all) and the agents' Leases (any namespace, by label)."""
+Events (one namespace or all), the agents' Leases (any namespace, by label) and the
+installation's operator and agent pods (any namespace, by label: why one is not ready, e.g. an
+image that cannot be pulled)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ from typing import Any
 
 import yaml
 from lightkube import AsyncClient, ConfigError
+from lightkube import operators as op
 from lightkube.config.kubeconfig import KubeConfig, SingleConfig
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import Event
+from lightkube.resources.core_v1 import Event, Pod
 from rich.console import Console
 from rich.live import Live
 
@@ -74,7 +77,22 @@ async def read_snapshot(kube: AsyncClient, namespace: str | None = None) -> Snap
         async for le in kube.list(Lease, namespace="*", labels=label)
         if (le.metadata and (le.metadata.name or "").startswith(AGENT_LEASE_PREFIX))
     ]
-    return Snapshot(dt.datetime.now(dt.UTC), pools, vms, leases, events)
+    return Snapshot(dt.datetime.now(dt.UTC), pools, vms, leases, events, await _pods(kube))
+
+
+async def _pods(kube: AsyncClient) -> list[dict[str, Any]]:
+    """The installation's operator and agent pods in any namespace; none when the identity may
+    not list pods (the rest of the status is still worth printing)."""
+    labels: Any = {
+        "app.kubernetes.io/name": "impvm",
+        "app.kubernetes.io/component": op.in_(["operator", "agent"]),
+    }
+    try:
+        return [p.to_dict() async for p in kube.list(Pod, namespace="*", labels=labels)]
+    except ApiError as e:
+        if e.status.code in (401, 403):
+            return []
+        raise
 
 
 async def run(

@@ -41,6 +41,8 @@ class Snapshot:
     vms: Sequence[Mapping[str, Any]] = ()
     leases: Sequence[Mapping[str, Any]] = ()
     events: Sequence[Mapping[str, Any]] = ()
+    #: the installation's operator and agent pods (on a cluster; none with ``impvm up``)
+    pods: Sequence[Mapping[str, Any]] = ()
 
 
 def _age(now: dt.datetime, then: dt.datetime | None) -> float | None:
@@ -112,6 +114,34 @@ def _vm(raw: Mapping[str, Any], now: dt.datetime) -> dict[str, Any]:
         "message": st.get("message"),
         "consoleTail": st.get("consoleTail"),
         "consoleLog": st.get("consoleLog"),
+    }
+
+
+def _pod_problem(raw: Mapping[str, Any]) -> dict[str, Any] | None:
+    """An operator or agent pod that is not ready, with why: a container's waiting reason
+    (``ErrImagePull``, ``ImagePullBackOff``, ``CrashLoopBackOff`` ...) and message, else the
+    scheduler's, else its phase. None: every container ready."""
+    meta, status = _meta(raw), raw.get("status") or {}
+    statuses = status.get("containerStatuses") or []
+    if statuses and all(c.get("ready") for c in statuses) and status.get("phase") == "Running":
+        return None
+    reason, message = status.get("phase") or "Pending", ""
+    for c in [*(status.get("initContainerStatuses") or []), *statuses]:
+        waiting = (c.get("state") or {}).get("waiting")
+        if waiting:
+            reason, message = waiting.get("reason") or reason, waiting.get("message") or ""
+            break
+    else:
+        for c in status.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False":
+                reason, message = c.get("reason") or reason, c.get("message") or ""
+    return {
+        "namespace": meta.get("namespace"),
+        "pod": meta.get("name"),
+        "component": (meta.get("labels") or {}).get("app.kubernetes.io/component"),
+        "node": (raw.get("spec") or {}).get("nodeName"),
+        "reason": reason,
+        "message": str(message)[:600],
     }
 
 
@@ -187,6 +217,10 @@ def summarize(snap: Snapshot) -> dict[str, Any]:
         "agents": agents,
         "rateLimits": sorted(limits.values(), key=lambda e: e["installation"]),
         "events": [_event(e) for e in warnings[:MAX_EVENTS]],
+        "podsNotReady": sorted(
+            (p for p in map(_pod_problem, snap.pods) if p is not None),
+            key=lambda p: (str(p["namespace"]), str(p["pod"])),
+        ),
     }
 
 
@@ -294,6 +328,17 @@ def render(summary: Mapping[str, Any]) -> RenderableType:
     if not summary["agents"]:
         agents.add_row("no agents", *["-"] * 6)
     parts.append(agents)
+
+    if summary.get("podsNotReady"):
+        pods = _table("Operator and agent pods not ready", ("pod", "node", "reason", "message"))
+        for p in summary["podsNotReady"]:
+            pods.add_row(
+                f"{p['namespace']}/{p['pod']}",
+                cell(p["node"]),
+                cell(p["reason"]),
+                cell(p["message"]),
+            )
+        parts.append(pods)
 
     rl = _table(
         "GitHub rate limit per installation",

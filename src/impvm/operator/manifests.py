@@ -24,6 +24,7 @@ from impvm.scaling.poolpass import MintJit, PoolWorld
 from impvm.scaling.settings import VMPodSettings
 from impvm.scaling.vmpods import (
     VM_POD_COMPONENT,
+    VM_POD_SIZE_ANNOTATION,
     VM_POD_UID_LABEL,
     VM_POD_VM_ANNOTATION,
     CreatePod,
@@ -109,14 +110,15 @@ def _node_affinity(
     """The required node affinity of a VM pod: one term per node pool selector (a node
     matching any of them), each with the class's node selector and kept away from ``avoid``
     (node names; ``matchFields`` as the DaemonSet controller pins its pods)."""
-    extra = dict(scheduling.node_selector) if scheduling else {}
-    selectors = [{**sel, **extra} for sel in settings.node_selectors] or [extra]
+    extra = sorted((scheduling.node_selector if scheduling else {}).items())
     terms: list[dict[str, Any]] = []
-    for sel in selectors:
+    for sel in settings.node_selectors or ({},):
+        # the pool's and the class's requirements both hold (a key in both must match both)
+        wanted = sorted(sel.items()) + [kv for kv in extra if kv not in sel.items()]
         term: dict[str, Any] = {}
-        if sel:
+        if wanted:
             term["matchExpressions"] = [
-                {"key": k, "operator": "In", "values": [v]} for k, v in sorted(sel.items())
+                {"key": k, "operator": "In", "values": [v]} for k, v in wanted
             ]
         if avoid:
             term["matchFields"] = [
@@ -134,6 +136,7 @@ def get_vm_pod(
     settings: VMPodSettings,
     scheduling: ClassScheduling | None,
     namespace: str,
+    owner_uid: str = "",
 ) -> dict[str, Any]:
     """The VM pod of ``create.vm`` in ``namespace`` (the installation's): it requests the VM's
     vCPU (``settings.milli_cpu_per_vcpu`` each) and its memory plus ``settings.overhead_mib``,
@@ -141,8 +144,10 @@ def get_vm_pod(
     scheduler (node pools' selectors, the class's ``scheduling``, away from ``create.avoid``,
     spread by VM pods per node), or pinned with ``nodeName`` when the VM is bound.
     It runs ``settings.command`` as an unprivileged user with nothing mounted (the restricted
-    Pod Security Standard). Not owned by the ImpVM (an owner must be in the same namespace):
-    the operator deletes it when its VM ends or goes."""
+    Pod Security Standard). Controlled by the ConfigMap ``settings.owner_config_map`` (uid
+    ``owner_uid``): only such pods are taken for VM pods, and the garbage collector removes them
+    with it (``helm uninstall``, ``vmPods.enabled: false``). Not owned by the ImpVM (an owner
+    must be in the same namespace): the operator deletes it when its VM ends or goes."""
     vm, (vcpu, mib) = create.vm, create.size
     milli = vcpu * settings.milli_cpu_per_vcpu
     cpu = str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"  # the API server's own form
@@ -207,8 +212,18 @@ def get_vm_pod(
             "app.kubernetes.io/component": VM_POD_COMPONENT,
             VM_POD_UID_LABEL: vm.uid,
         },
+        "ownerReferences": [
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "name": settings.owner_config_map,
+                "uid": owner_uid,
+                "controller": True,
+            }
+        ],
         "annotations": {
             VM_POD_VM_ANNOTATION: f"{vm.namespace}/{vm.name}",
+            VM_POD_SIZE_ANNOTATION: f"{vcpu},{mib}",
             # no scale-down of a node that runs a VM (ARC asks the same for its runner pods)
             "cluster-autoscaler.kubernetes.io/safe-to-evict": "false",
         },

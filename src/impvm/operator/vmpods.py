@@ -20,9 +20,10 @@ from typing import Any, cast
 
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
-from lightkube.resources.core_v1 import Pod
+from lightkube.resources.core_v1 import ConfigMap, Pod
 
 from impvm.api.models import API_VERSION, ClassScheduling
+from impvm.api.resources import ImpVMResource
 from impvm.api.times import utcnow
 from impvm.kube.events import EventRecorder
 from impvm.kube.watchcache import WatchCache
@@ -78,9 +79,21 @@ class PodScheduler(Scheduler):
             name=f"vm pods in {namespace}",
         )
         self._told: OrderedDict[str, str] = OrderedDict()
+        #: the uid of the ConfigMap that controls the VM pods (read by :meth:`run`)
+        self.owner_uid = ""
 
     def watches(self) -> list[WatchCache[Any]]:
         return [*self.caches, self.pods]
+
+    async def run(self) -> None:
+        """Read the owning ConfigMap, then watch and place until cancelled. Raises ApiError
+        when the ConfigMap cannot be read (404: the installation is incomplete): the leader
+        exits rather than make pods nothing owns."""
+        cm = await self.kube.get(
+            ConfigMap, self.settings.owner_config_map, namespace=self.namespace
+        )
+        self.owner_uid = str(cm.metadata.uid if cm.metadata else "")
+        await super().run()
 
     async def place_once(self) -> int:
         """One pass: decide from the caches, write each action. Returns how many VMs were
@@ -93,6 +106,7 @@ class PodScheduler(Scheduler):
             utcnow(),
             self.sources.class_sizes(),
             self.grace,
+            self.owner_uid,
         )
         bound = 0
         for a in actions:
@@ -112,14 +126,21 @@ class PodScheduler(Scheduler):
 
     async def _create(self, a: CreatePod) -> None:
         scheduling = self._scheduling(a.vm.class_name)
-        body = get_vm_pod(a, self.settings, scheduling, self.namespace)
+        body = get_vm_pod(a, self.settings, scheduling, self.namespace, self.owner_uid)
         try:
             got = await self.kube.create(cast(Pod, Pod.from_dict(body)))
         except ApiError as e:
-            # 409: made before a crash, or the last one still going; 403/422: quota, admission
-            log.warning(
-                "VM pod of ImpVM %s/%s not made: %s", a.vm.namespace, a.vm.name, e.status.message
-            )
+            # 409: made before a crash, the last one still going, or a pod the operator did not
+            # make holds the name; 403/422: a quota, an admission policy, a class's scheduling
+            # the pod API refuses. Told to the VM's owners (once per message); tried each pass.
+            why = f"VM pod {body['metadata']['name']} not made: {e.status.message}"[:1000]
+            log.warning("ImpVM %s/%s: %s", a.vm.namespace, a.vm.name, why)
+            held = self.pods.get((self.namespace, body["metadata"]["name"]))
+            ours = held is not None and held.owner_uid == self.owner_uid and not held.mirror
+            if e.status.code != 409 or not ours:
+                await self._tell(
+                    Unschedulable(a.vm.namespace, a.vm.name, a.vm.uid, why), "FailedCreate"
+                )
             return
         self.pods.written(got.to_dict())
         log.info(
@@ -127,6 +148,8 @@ class PodScheduler(Scheduler):
         )
 
     async def _delete(self, a: DeletePod) -> None:
+        if a.unless_vm is not None and await self._vm_exists(*a.unless_vm):
+            return  # a VM the caches leave out (over their caps): its pod stays
         try:
             await self.kube.delete(Pod, a.name, namespace=self.namespace, grace_period=0)
         except ApiError as e:
@@ -134,7 +157,16 @@ class PodScheduler(Scheduler):
                 raise
         log.info("VM pod %s deleted: %s", a.name, a.reason)
 
-    async def _tell(self, a: Unschedulable) -> None:
+    async def _vm_exists(self, namespace: str, name: str, uid: str) -> bool:
+        try:
+            got = await self.kube.get(ImpVMResource, name, namespace=namespace)
+        except ApiError as e:
+            if e.status.code == 404:
+                return False
+            raise
+        return bool(got.metadata and got.metadata.uid == uid)
+
+    async def _tell(self, a: Unschedulable, reason: str = "FailedScheduling") -> None:
         key = f"{a.namespace}/{a.name}"
         if self._told.get(key) == a.message:
             return
@@ -148,7 +180,7 @@ class PodScheduler(Scheduler):
             namespace=a.namespace,
             name=a.name,
             uid=a.uid,
-            reason="FailedScheduling",
+            reason=reason,
             message=a.message,
             warning=True,
         )

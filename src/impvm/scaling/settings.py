@@ -110,6 +110,14 @@ class VMPodSettings(BaseModel):
     )
 
     image: str = Field(min_length=1, max_length=1024, description="The pod's image.")
+    owner_config_map: str = Field(
+        default="impvm-vm-pods",
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="The ConfigMap in the installation's namespace that controls every VM pod "
+        "(the chart's, holding this file): only pods it controls are VM pods, and they go with "
+        "it.",
+    )
     command: tuple[str, ...] = Field(
         default=("sleep", "infinity"),
         max_length=16,

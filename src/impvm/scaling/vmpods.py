@@ -10,7 +10,10 @@ ImpVM to the node its pod was scheduled to. KubeVirt's virt-launcher (a pod per 
 its resources) is the model; the VM's process itself stays with the node's agent.
 
 The decision (:func:`plan_vm_pods`) is from the VMs the operator sees, the VM pods and the
-agents' Leases:
+agents' Leases. A VM pod is a pod the operator made: controlled by its ConfigMap, named
+``vm-<ImpVM uid>``, no mirror pod. A pod a kubelet made (NodeRestriction lets a node make
+mirror pods only, bound to itself, in any namespace, with any name and labels) or anyone else
+made is never taken for one, so no node can bind a VM to itself by making its pod first.
 
 - a VM that is waiting (unbound, not finished, of a known class) or holds its node's
   resources (:func:`impvm.scaling.placement.uses_capacity`) and has no pod gets one
@@ -18,7 +21,8 @@ agents' Leases:
   failed its host checks; bound (made by hand with ``spec.nodeName``, or bound before VM pods
   were on), pinned to its node so that node's use is counted;
 - a waiting VM whose pod the scheduler bound to a node whose agent is live and passed its host
-  checks is bound there (:class:`~impvm.scaling.placement.Binding`, at its class's size) once
+  checks is bound there (:class:`~impvm.scaling.placement.Binding`, at the size its pod
+  requested, the one the scheduler counted) once
   that agent's advertised capacity has room for it (counted as
   :func:`impvm.scaling.placement.rooms` does, with this pass's bindings): the scheduler counts
   the node's allocatable resources, the agent may offer less (``--vcpu``, ``--memory-mib``),
@@ -47,7 +51,9 @@ from impvm.scaling.placement import Binding, NodeRoom, rooms, size_of, uses_capa
 
 __all__ = [
     "MAX_AVOIDED_NODES",
+    "MIRROR_ANNOTATION",
     "VM_POD_COMPONENT",
+    "VM_POD_SIZE_ANNOTATION",
     "VM_POD_UID_LABEL",
     "VM_POD_VM_ANNOTATION",
     "CreatePod",
@@ -69,6 +75,19 @@ VM_POD_COMPONENT = "vm"
 MAX_AVOIDED_NODES = 64
 
 
+#: Annotation on a VM pod: the size "<vCPU>,<MiB>" it requests, which its VM is bound at.
+VM_POD_SIZE_ANNOTATION = "imp.dev/vm-size"
+#: The annotation every pod a kubelet makes carries (NodeRestriction lets a node make no other).
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+
+
+def _size(raw: object) -> tuple[int, int] | None:
+    """A ``<vCPU>,<MiB>`` annotation (None: absent or malformed)."""
+    vcpu, _, mib = str(raw or "").partition(",")
+    ok = vcpu.isascii() and vcpu.isdigit() and mib.isascii() and mib.isdigit()
+    return (int(vcpu), int(mib)) if ok and len(vcpu) <= 4 and len(mib) <= 8 else None
+
+
 def vm_pod_name(vm_uid: str) -> str:
     """The VM pod's name: fixed by its ImpVM's uid, so a pod made before a crash is found again
     (AlreadyExists), never made twice."""
@@ -87,6 +106,14 @@ class VMPod:
     scheduled_at: dt.datetime | None = None
     unschedulable: str | None = None
     deleting: bool = False
+    #: the uid of its controller (the operator's VM pods: the ConfigMap they are made from)
+    owner_uid: str = ""
+    #: a mirror pod (``kubernetes.io/config.mirror``): made by a kubelet, never by the operator
+    mirror: bool = False
+    #: the size (vCPU, MiB) it requests for its VM (annotation ``imp.dev/vm-size``)
+    size: tuple[int, int] | None = None
+    #: its VM's (namespace, name, uid), from the annotation ``imp.dev/vm`` and its uid label
+    vm: tuple[str, str, str] | None = None
 
     @classmethod
     def from_body(cls, raw: Mapping[str, Any]) -> VMPod:
@@ -101,9 +128,24 @@ class VMPod:
                 scheduled_at = parse_time(c.get("lastTransitionTime"))
             elif c.get("reason") == "Unschedulable":
                 unschedulable = str(c.get("message") or "unschedulable")[:1000]
+        owner = next(
+            (
+                str(o.get("uid") or "")
+                for o in meta.get("ownerReferences") or []
+                if isinstance(o, Mapping) and o.get("controller") and o.get("kind") == "ConfigMap"
+            ),
+            "",
+        )
+        annotations = meta.get("annotations") or {}
+        vm_uid = str((meta.get("labels") or {}).get(VM_POD_UID_LABEL) or "")
+        ns, _, vm_name = str(annotations.get(VM_POD_VM_ANNOTATION) or "").partition("/")
         return cls(
+            vm=(ns, vm_name, vm_uid) if ns and vm_name and vm_uid else None,
+            owner_uid=owner,
+            mirror=MIRROR_ANNOTATION in annotations,
+            size=_size(annotations.get(VM_POD_SIZE_ANNOTATION)),
             name=str(meta.get("name") or ""),
-            vm_uid=str((meta.get("labels") or {}).get(VM_POD_UID_LABEL) or ""),
+            vm_uid=vm_uid,
             node_name=spec.get("nodeName") or None,
             phase=str(status.get("phase") or "Pending"),
             scheduled_at=scheduled_at,
@@ -125,10 +167,13 @@ class CreatePod:
 
 @dataclass(frozen=True, slots=True)
 class DeletePod:
-    """Delete VM pod ``name`` (``reason``: for the log)."""
+    """Delete VM pod ``name`` (``reason``: for the log). ``unless_vm``: (namespace, name, uid)
+    of a VM the caches did not show: the shell deletes only once the API server confirms that
+    VM is gone (a namespace over the caches' caps leaves VMs out of them)."""
 
     name: str
     reason: str
+    unless_vm: tuple[str, str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,17 +212,31 @@ def plan_vm_pods(
     now: dt.datetime,
     sizes: Mapping[str, tuple[int, int]],
     grace_seconds: float,
+    owner_uid: str,
 ) -> tuple[PodAction, ...]:
     """What to do about VM pods (see the module docstring for the rules). ``sizes``: class name
     -> (vCPU, MiB); ``grace_seconds``: the node-lost grace (a pod on a node with no agent Lease
-    waits that long for one). Each VM gets at most one action, each pod at most one."""
+    waits that long for one); ``owner_uid``: the uid of the ConfigMap the operator's VM pods
+    are controlled by. A pod is a VM pod only when that ConfigMap controls it, it is named for
+    its VM and it is no mirror pod: any other pod, a node's mirror pod with the right name and
+    labels included, binds nothing and is left alone. Each VM gets at most one action, each
+    pod at most one."""
     lost = lost_nodes(list(leases), now, grace_seconds)
     failed = {le.node for le in leases if not le.preflight_ok}
     live = {le.node for le in leases if le.preflight_ok and le.live(now)}
     leased = {le.node for le in leases}
-    avoid = tuple(sorted(lost | failed)[:MAX_AVOIDED_NODES])
+    avoid = _avoided(leases, lost | failed)
     free = rooms(leases, now, vms, sizes)
-    pods_by_uid = {p.vm_uid: p for p in pods if p.vm_uid and p.name == vm_pod_name(p.vm_uid)}
+    pods = [
+        p
+        for p in pods
+        if owner_uid
+        and p.owner_uid == owner_uid
+        and not p.mirror
+        and p.vm_uid
+        and p.name == vm_pod_name(p.vm_uid)
+    ]
+    pods_by_uid = {p.vm_uid: p for p in pods}
     out: list[PodAction] = []
     seen: set[str] = set()
     for vm in vms:
@@ -203,8 +262,20 @@ def plan_vm_pods(
         out += _for_waiting(vm, pod, sizes, now, grace_seconds, live, lost | failed, leased, free)
     for pod in pods:
         if pod.vm_uid not in seen and not pod.deleting:
-            out.append(DeletePod(pod.name, "its ImpVM is gone"))
+            out.append(DeletePod(pod.name, "its ImpVM is gone", pod.vm))
     return tuple(out)
+
+
+def _avoided(leases: Sequence[NodeLease], bad: set[str]) -> tuple[str, ...]:
+    """The bad nodes a new pod is kept from, those renewed last first (a node whose agent just
+    died, not one a cluster autoscaler removed long ago, whose Lease nobody deleted)."""
+    last: dict[str, dt.datetime] = {}
+    for le in leases:
+        if le.node in bad and le.renewed_at is not None:
+            last[le.node] = max(le.renewed_at, last.get(le.node, le.renewed_at))
+    epoch = dt.datetime.min.replace(tzinfo=dt.UTC)
+    ranked = sorted(bad, key=lambda n: (last.get(n, epoch), n), reverse=True)
+    return tuple(ranked[:MAX_AVOIDED_NODES])
 
 
 def _for_waiting(
@@ -228,7 +299,7 @@ def _for_waiting(
             return [Unschedulable(vm.namespace, vm.name, vm.uid, pod.unschedulable)]
         return []
     if node in live:
-        v, m = sizes[vm.class_name]
+        v, m = pod.size or sizes[vm.class_name]  # the size the scheduler counted
         room = free.get(node)
         if room is None or room.fits(v, m):  # no advertised capacity: its agent decides
             if room is not None:
