@@ -179,6 +179,11 @@ async def test_release_in_another_namespace_serves_two_node_pools(
             assert agents[node]["accelerator"].startswith("tcg"), agents[node]
             # and the preflight's warning says why: /dev/kvm cannot be opened
             assert "/dev/kvm" in (agents[node]["preflight"] or ""), agents[node]
+        # and the pool says its VMs run emulated, naming the nodes
+        (pool,) = items(cluster, "impvmrunnerpools", "-n", TEAM)
+        emulated = {c["type"]: c for c in pool["status"]["conditions"]}["Emulated"]
+        assert (emulated["status"], emulated["reason"]) == ("True", "NoKVM"), emulated
+        assert "TCG" in emulated["message"], emulated
     finally:
         # the pool and its VMs go while the operator and agents still run (their finalizers);
         # off the event loop, which serves the stand-in

@@ -919,6 +919,30 @@ def test_unbound_vm_that_fits_on_no_node_makes_the_pool_unschedulable() -> None:
     assert not [e for e in done2.events if e.reason == "Unschedulable"]
 
 
+def test_vms_under_tcg_make_the_pool_emulated_and_kvm_clears_it() -> None:
+    def agent(node: str, accel: str) -> NodeLease:
+        notes = {"imp.dev/vcpu": "4", "imp.dev/memory-mib": "8192", "imp.dev/accelerator": accel}
+        return NodeLease.parse(node, ago(3), 40, notes)
+
+    vms = (vm("aaaaaa", node="node-1"),)
+    w = world(vms, (), leases=(agent("node-1", "tcg"), agent("node-2", "kvm")))
+    done = conclude_pass(w, pool_acts(w), ActsDone())
+    cond = conditions_of(done)["Emulated"]
+    assert (cond["status"], cond["reason"]) == ("True", "NoKVM")
+    assert "on node-1" in cond["message"] and "node-2" not in cond["message"]
+    (ev,) = [e for e in done.events if e.reason == "Emulated"]
+    assert ev.warning
+    # no VM on a node: judged on every agent with room; all on KVM clears it, without an Event
+    prior = pool_obj(status={"conditions": list(done.conditions)})
+    w2 = world((), (), leases=(agent("node-2", "kvm"),), pool=prior)
+    done2 = conclude_pass(w2, pool_acts(w2), ActsDone())
+    assert conditions_of(done2)["Emulated"]["status"] == "False"
+    assert not [e for e in done2.events if e.reason == "Emulated"]
+    # the process runtime (no QEMU) says nothing either way
+    w3 = world((), (), leases=(agent("node-3", "none"),))
+    assert "Emulated" not in conditions_of(conclude_pass(w3, pool_acts(w3), ActsDone()))
+
+
 def test_no_agent_at_all_is_unschedulable() -> None:
     w = world((vm("aaaaaa", phase=None, created=60),), ())
     cond = conditions_of(conclude_pass(w, pool_acts(w), ActsDone()))["Unschedulable"]

@@ -13,6 +13,8 @@ VCPU, MEMORY_MIB = "imp.dev/vcpu", "imp.dev/memory-mib"
 VCPU_USED, MEMORY_MIB_USED = "imp.dev/vcpu-used", "imp.dev/memory-mib-used"
 #: ``ok`` or ``failed: <check>...`` (``impvm doctor``'s host checks, run at agent start)
 PREFLIGHT = "imp.dev/preflight"
+#: the QEMU accelerator the agent runs VMs with: ``kvm``, ``tcg`` (emulation), ``none``
+ACCELERATOR = "imp.dev/accelerator"
 #: The longest Lease duration believed (s): a node's Lease claiming more is judged by this, so
 #: a node cannot stay alive for years on one renewal (the agent's default is 40 s).
 MAX_LEASE_SECONDS = 300
@@ -42,6 +44,8 @@ class NodeLease:
     vcpu_used: int | None = None
     memory_mib_used: int | None = None
     preflight_ok: bool = True
+    #: ``imp.dev/accelerator`` as the agent wrote it (empty: not written)
+    accelerator: str = ""
 
     @classmethod
     def parse(
@@ -61,6 +65,7 @@ class NodeLease:
             _int(annotations, VCPU_USED),
             _int(annotations, MEMORY_MIB_USED),
             not annotations.get(PREFLIGHT, "ok").startswith("failed"),
+            annotations.get(ACCELERATOR, "")[:200],
         )
 
     def age(self, now: dt.datetime) -> float | None:

@@ -35,7 +35,7 @@ from impvm.scaling.poolpass.acts import (
     Why,
 )
 from impvm.scaling.poolpass.failures import GitHubVerdict, github_verdict, wait
-from impvm.scaling.poolpass.lost import placement, unschedulable_due
+from impvm.scaling.poolpass.lost import acceleration, placement, unschedulable_due
 from impvm.scaling.poolpass.memory import PollState, PoolMemory
 from impvm.scaling.poolpass.poll import budget_low, next_poll_due, poll_wanted
 from impvm.scaling.poolpass.sizing import Counts
@@ -50,6 +50,7 @@ __all__ = ["CONDITION_TYPES", "conclude_pass"]
 CONDITION_TYPES = (
     "ClassNotAllowed",
     "CredentialsInvalid",
+    "Emulated",
     "GitHubUnavailable",
     "RateLimited",
     "Ready",
@@ -135,6 +136,7 @@ def _acted(
         events.append(EventSpec("ScaledUp", text[:1000]))
     _ready(world, gh, acts, c, conds)
     placement(world, conds, events)
+    acceleration(world, conds, events)
     memory = PoolMemory(
         backoff=gh.backoff,
         poll=poll,

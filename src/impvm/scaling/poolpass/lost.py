@@ -1,7 +1,8 @@
 """VMs and nodes: lost nodes (like Kubernetes' node lifecycle controller: a VM on a node whose
 agent Lease expired is marked ``Failed``/``NodeLost``; one being deleted has the agent finalizer
 released) and placement (condition ``Unschedulable`` while VMs fit on no live agent, like the
-scheduler's ``FailedScheduling``). Pure: :mod:`impvm.scaling.nodes` judges the Leases."""
+scheduler's ``FailedScheduling``) and acceleration (condition ``Emulated`` while VMs run under
+TCG). Pure: :mod:`impvm.scaling.nodes` judges the Leases."""
 
 from __future__ import annotations
 
@@ -104,3 +105,27 @@ def placement(world: PoolWorld, conds: ConditionSet, events: list[EventSpec]) ->
         return
     if conds.set("Unschedulable", True, verdict.reason, verdict.message, world.now):
         events.append(EventSpec("Unschedulable", verdict.message, warning=True))
+
+
+def acceleration(world: PoolWorld, conds: ConditionSet, events: list[EventSpec]) -> None:
+    """Condition ``Emulated``: True while the pool's VMs run under QEMU's TCG emulation (no
+    usable ``/dev/kvm`` on their node: many times slower than KVM), with a Warning Event when
+    it becomes True. Judged on the live agents running the pool's VMs, else (no VM on a node)
+    on every live agent offering room; agents of the process runtime (no QEMU) are left out,
+    and with none left the condition stays as it was."""
+    live = [le for le in world.leases if le.offers(world.now) and le.accelerator]
+    live = [le for le in live if le.accelerator.split()[0] in ("kvm", "tcg")]
+    used = {vm.node_name for vm in world.vms if vm.node_name}
+    judged = [le for le in live if le.node in used] or live
+    if not judged:
+        return
+    emulated = sorted({le.node for le in judged if le.accelerator.startswith("tcg")})
+    if not emulated:
+        conds.set("Emulated", False, "KVM", "VMs run under KVM", world.now)
+        return
+    text = (
+        "VMs run under TCG emulation, many times slower than KVM (no usable /dev/kvm; the "
+        f"agent's preflight says why, `impvm status`): on {', '.join(emulated)}"
+    )[:1000]
+    if conds.set("Emulated", True, "NoKVM", text, world.now):
+        events.append(EventSpec("Emulated", text, warning=True))
