@@ -925,7 +925,7 @@ def test_vms_under_tcg_make_the_pool_emulated_and_kvm_clears_it() -> None:
         return NodeLease.parse(node, ago(3), 40, notes)
 
     vms = (vm("aaaaaa", node="node-1"),)
-    w = world(vms, (), leases=(agent("node-1", "tcg"), agent("node-2", "kvm")))
+    w = world(vms, (), leases=(agent("node-1", "tcg/microvm"), agent("node-2", "kvm/microvm")))
     done = conclude_pass(w, pool_acts(w), ActsDone())
     cond = conditions_of(done)["Emulated"]
     assert (cond["status"], cond["reason"]) == ("True", "NoKVM")
@@ -934,7 +934,7 @@ def test_vms_under_tcg_make_the_pool_emulated_and_kvm_clears_it() -> None:
     assert ev.warning
     # no VM on a node: judged on every agent with room; all on KVM clears it, without an Event
     prior = pool_obj(status={"conditions": list(done.conditions)})
-    w2 = world((), (), leases=(agent("node-2", "kvm"),), pool=prior)
+    w2 = world((), (), leases=(agent("node-2", "kvm/microvm"),), pool=prior)
     done2 = conclude_pass(w2, pool_acts(w2), ActsDone())
     assert conditions_of(done2)["Emulated"]["status"] == "False"
     assert not [e for e in done2.events if e.reason == "Emulated"]

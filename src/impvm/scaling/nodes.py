@@ -44,7 +44,8 @@ class NodeLease:
     vcpu_used: int | None = None
     memory_mib_used: int | None = None
     preflight_ok: bool = True
-    #: ``imp.dev/accelerator`` as the agent wrote it (empty: not written)
+    #: ``imp.dev/accelerator`` as the agent wrote it: ``<kvm|tcg>/<machine>`` for QEMU
+    #: (``tcg/microvm``), ``none`` for the process runtime, empty when not written
     accelerator: str = ""
 
     @classmethod
@@ -90,6 +91,12 @@ class NodeLease:
         """Whether VMs may be placed on its node: live, host checks passed, capacity
         advertised (:mod:`impvm.scaling.placement` places only there)."""
         return self.live(now) and self.preflight_ok and self.free() is not None
+
+    @property
+    def emulated(self) -> bool | None:
+        """Whether its QEMU runs VMs under TCG emulation (None: no QEMU accelerator reported)."""
+        kind = self.accelerator.split("/", 1)[0]
+        return {"tcg": True, "kvm": False}.get(kind)
 
     def free(self) -> tuple[int, int] | None:
         """Free (vCPU, MiB), or None when the Lease does not say."""

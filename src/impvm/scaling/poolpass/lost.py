@@ -113,13 +113,12 @@ def acceleration(world: PoolWorld, conds: ConditionSet, events: list[EventSpec])
     it becomes True. Judged on the live agents running the pool's VMs, else (no VM on a node)
     on every live agent offering room; agents of the process runtime (no QEMU) are left out,
     and with none left the condition stays as it was."""
-    live = [le for le in world.leases if le.offers(world.now) and le.accelerator]
-    live = [le for le in live if le.accelerator.split()[0] in ("kvm", "tcg")]
+    live = [le for le in world.leases if le.offers(world.now) and le.emulated is not None]
     used = {vm.node_name for vm in world.vms if vm.node_name}
     judged = [le for le in live if le.node in used] or live
     if not judged:
         return
-    emulated = sorted({le.node for le in judged if le.accelerator.startswith("tcg")})
+    emulated = sorted({le.node for le in judged if le.emulated})
     if not emulated:
         conds.set("Emulated", False, "KVM", "VMs run under KVM", world.now)
         return
