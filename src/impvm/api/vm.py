@@ -39,7 +39,7 @@ from impvm.api.models import (
 )
 from impvm.api.times import parse_time
 
-__all__ = ["VM", "template_hash"]
+__all__ = ["VM", "parse_size", "template_hash"]
 
 #: creationTimestamp of an object that has none (never on the API server: a test's object)
 _EPOCH = dt.datetime.fromtimestamp(0, dt.UTC)
@@ -74,6 +74,18 @@ def template_hash(
     if verify_key is not None:
         doc["verifyKey"] = verify_key
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def parse_size(raw: object) -> tuple[int, int] | None:
+    """A size annotation ``<vCPU>,<MiB>`` (``imp.dev/bound-size``, a VM pod's
+    ``imp.dev/vm-size``); None when absent, or not two ASCII numbers within the CRD's class
+    limits (an annotation is never trusted to crash a reader)."""
+    vcpu, _, mib = str(raw or "").partition(",")
+    if not (vcpu.isascii() and vcpu.isdigit() and mib.isascii() and mib.isdigit()):
+        return None
+    if len(vcpu) > 4 or len(mib) > 8:  # at most 9999 vCPU, ~95 TiB
+        return None
+    return int(vcpu), int(mib)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -206,13 +218,7 @@ class VM:
         """The (vCPU, MiB) the operator bound it with (annotation ``imp.dev/bound-size``);
         None when it carries none, or one that is not two ASCII numbers within the CRD's
         class limits (an annotation is never trusted to crash a reader)."""
-        raw = self.annotations.get(BOUND_SIZE_ANNOTATION, "")
-        vcpu, _, mib = raw.partition(",")
-        if not (vcpu.isascii() and vcpu.isdigit() and mib.isascii() and mib.isdigit()):
-            return None
-        if len(vcpu) > 4 or len(mib) > 8:  # at most 9999 vCPU, ~95 TiB
-            return None
-        return int(vcpu), int(mib)
+        return parse_size(self.annotations.get(BOUND_SIZE_ANNOTATION))
 
     def holds_capacity(self, node: str) -> bool:
         """Whether it counts against ``node``'s capacity: bound there and not yet released

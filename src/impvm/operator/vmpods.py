@@ -158,13 +158,8 @@ class PodScheduler(Scheduler):
         log.info("VM pod %s deleted: %s", a.name, a.reason)
 
     async def _vm_exists(self, namespace: str, name: str, uid: str) -> bool:
-        try:
-            got = await self.kube.get(ImpVMResource, name, namespace=namespace)
-        except ApiError as e:
-            if e.status.code == 404:
-                return False
-            raise
-        return bool(got.metadata and got.metadata.uid == uid)
+        got = await self.sources.api_get(ImpVMResource, name, namespace)  # not the cache's
+        return got is not None and got["metadata"].get("uid") == uid
 
     async def _tell(self, a: Unschedulable, reason: str = "FailedScheduling") -> None:
         key = f"{a.namespace}/{a.name}"

@@ -39,7 +39,15 @@ from impvm.api.models import AGENT_FINALIZER
 from impvm.api.vm import VM
 from impvm.scaling.nodes import NodeLease
 
-__all__ = ["Binding", "NodeRoom", "place", "rooms", "size_of", "uses_capacity"]
+__all__ = [
+    "Binding",
+    "NodeRoom",
+    "place",
+    "rooms",
+    "size_of",
+    "uses_capacity",
+    "waits_for_node",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,15 +125,24 @@ def rooms(
     return out
 
 
+def waits_for_node(vm: VM, sizes: Mapping[str, tuple[int, int]]) -> bool:
+    """Whether ``vm`` is one the placement finds a node for: unbound, neither finished nor
+    being deleted, readable, of a class of known size."""
+    return not (
+        vm.node_name
+        or vm.deleting
+        or vm.is_terminal
+        or vm.unreadable is not None
+        or vm.class_name not in sizes
+    )
+
+
 def _waiting(vms: Sequence[VM], sizes: Mapping[str, tuple[int, int]]) -> list[VM]:
     """The unbound VMs to place, one per namespace in turn, each namespace oldest first."""
     queues: dict[str, list[VM]] = {}
     for vm in vms:
-        if vm.node_name or vm.deleting or vm.is_terminal or vm.unreadable is not None:
-            continue
-        if vm.class_name not in sizes:
-            continue
-        queues.setdefault(vm.namespace, []).append(vm)
+        if waits_for_node(vm, sizes):
+            queues.setdefault(vm.namespace, []).append(vm)
     ranked: list[tuple[int, dt.datetime, str, str, VM]] = []
     for queue in queues.values():
         queue.sort(key=lambda v: (v.created_at, v.name))

@@ -45,9 +45,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from impvm.api.times import parse_time
-from impvm.api.vm import VM
+from impvm.api.vm import VM, parse_size
 from impvm.scaling.nodes import NodeLease, lost_nodes
-from impvm.scaling.placement import Binding, NodeRoom, rooms, size_of, uses_capacity
+from impvm.scaling.placement import (
+    Binding,
+    NodeRoom,
+    rooms,
+    size_of,
+    uses_capacity,
+    waits_for_node,
+)
 
 __all__ = [
     "MAX_AVOIDED_NODES",
@@ -79,13 +86,6 @@ MAX_AVOIDED_NODES = 64
 VM_POD_SIZE_ANNOTATION = "imp.dev/vm-size"
 #: The annotation every pod a kubelet makes carries (NodeRestriction lets a node make no other).
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
-
-
-def _size(raw: object) -> tuple[int, int] | None:
-    """A ``<vCPU>,<MiB>`` annotation (None: absent or malformed)."""
-    vcpu, _, mib = str(raw or "").partition(",")
-    ok = vcpu.isascii() and vcpu.isdigit() and mib.isascii() and mib.isdigit()
-    return (int(vcpu), int(mib)) if ok and len(vcpu) <= 4 and len(mib) <= 8 else None
 
 
 def vm_pod_name(vm_uid: str) -> str:
@@ -143,7 +143,7 @@ class VMPod:
             vm=(ns, vm_name, vm_uid) if ns and vm_name and vm_uid else None,
             owner_uid=owner,
             mirror=MIRROR_ANNOTATION in annotations,
-            size=_size(annotations.get(VM_POD_SIZE_ANNOTATION)),
+            size=parse_size(annotations.get(VM_POD_SIZE_ANNOTATION)),
             name=str(meta.get("name") or ""),
             vm_uid=vm_uid,
             node_name=spec.get("nodeName") or None,
@@ -190,17 +190,6 @@ class Unschedulable:
 PodAction = CreatePod | DeletePod | Binding | Unschedulable
 
 
-def _waiting(vm: VM, sizes: Mapping[str, tuple[int, int]]) -> bool:
-    """An unbound VM the placement should find a node for."""
-    return not (
-        vm.node_name
-        or vm.deleting
-        or vm.is_terminal
-        or vm.unreadable is not None
-        or vm.class_name not in sizes
-    )
-
-
 def _age(since: dt.datetime | None, now: dt.datetime) -> float:
     return 0.0 if since is None else (now - since).total_seconds()
 
@@ -244,7 +233,7 @@ def plan_vm_pods(
             continue
         seen.add(vm.uid)
         pod = pods_by_uid.get(vm.uid)
-        waiting = _waiting(vm, sizes)
+        waiting = waits_for_node(vm, sizes)
         if not waiting and not uses_capacity(vm):
             if pod is not None and not pod.deleting:
                 out.append(DeletePod(pod.name, f"ImpVM {vm.namespace}/{vm.name} ended"))
