@@ -79,11 +79,19 @@ async def placement(
     scheduler = Scheduler(
         akube, sources, EventRecorder(akube, component="impvm-operator"), namespaces, leading
     )
+    async with running(sources, scheduler):
+        yield scheduler
+
+
+@contextlib.asynccontextmanager
+async def running(sources: CachedSource, scheduler: Scheduler) -> AsyncIterator[None]:
+    """``sources`` started and ``scheduler`` placing (woken by Lease changes) for the block;
+    both stopped after it."""
     sources.on_lease = scheduler.wake
     await sources.start()
     task = asyncio.create_task(scheduler.run())
     try:
-        yield scheduler
+        yield
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -7,7 +7,6 @@ its VM."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,7 +25,7 @@ from impvm.kube.events import EventRecorder
 from impvm.operator.sources import CachedSource
 from impvm.operator.vmpods import PodScheduler
 from impvm.scaling.settings import VMPodSettings
-from tests.operator.test_scheduler import agent_lease, create_vm, nodes_of
+from tests.operator.test_scheduler import agent_lease, create_vm, nodes_of, running
 from tests.support import until
 
 SETTINGS = VMPodSettings(image="reg/impvm-agent@sha256:" + "1" * 64, overhead_mib=128)
@@ -44,17 +43,10 @@ async def pod_placement(akube: AsyncClient, tenant: str, home: str) -> AsyncIter
         60.0,
         [tenant],
     )
-    sources.on_lease = scheduler.wake
     with contextlib.suppress(ApiError):  # what the chart installs: the VM pods' owner
         await akube.create(ConfigMap(metadata=ObjectMeta(name="impvm-vm-pods", namespace=home)))
-    await sources.start()
-    task = asyncio.create_task(scheduler.run())
-    try:
+    async with running(sources, scheduler):
         yield scheduler
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await sources.close()
 
 
 async def vm_pods(akube: AsyncClient, home: str) -> list[dict[str, Any]]:
