@@ -368,11 +368,9 @@ class CachedSource(KubeSource):
 
     def class_spec(self, name: str) -> dict[str, Any] | None:
         """The cached ImpVMClass ``name``'s spec (wire form; None: not cached)."""
-        for raw in self.caches["classes"][0].values():
-            if raw["metadata"]["name"] == name:
-                spec = raw.get("spec")
-                return spec if isinstance(spec, dict) else None
-        return None
+        raw = self.caches["classes"][0].get(("", name))  # cluster-scoped: namespace ""
+        spec = raw.get("spec") if raw is not None else None
+        return spec if isinstance(spec, dict) else None
 
     def class_sizes(self) -> dict[str, tuple[int, int]]:
         """Every cached ImpVMClass's size: name -> (vCPU, MiB) (empty before the first list;
