@@ -20,7 +20,7 @@ from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Binding, ConfigMap, Event, Pod
 from lightkube.types import PatchType
 
-from impvm.api.resources import ImpVMResource
+from impvm.api.resources import ImpVMClassResource, ImpVMResource
 from impvm.kube.events import EventRecorder
 from impvm.operator.sources import CachedSource
 from impvm.operator.vmpods import PodScheduler
@@ -84,6 +84,12 @@ async def test_a_vm_is_bound_where_kube_scheduler_put_its_pod_and_its_pod_goes_w
         namespace=home,
         patch_type=PatchType.MERGE,
     )
+    await akube.patch(
+        ImpVMClassResource,
+        vm_class,
+        {"spec": {"scheduling": {"nodeSelector": {"zone": "z1"}}}},
+        patch_type=PatchType.MERGE,
+    )
     await create_vm(akube, tenant, "job-1", vm_class)
     async with pod_placement(akube, tenant, home):
 
@@ -101,6 +107,8 @@ async def test_a_vm_is_bound_where_kube_scheduler_put_its_pod_and_its_pod_goes_w
         assert term["matchFields"] == [
             {"key": "metadata.name", "operator": "NotIn", "values": ["node-sick"]}
         ]
+        # the class's scheduling, read from the operator's class cache
+        assert term["matchExpressions"] == [{"key": "zone", "operator": "In", "values": ["z1"]}]
         # the VM waits for its pod's node: nothing is bound by the operator itself
         assert (await nodes_of(akube, [tenant]))[(tenant, "job-1")] == ""
 
